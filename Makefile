@@ -1,0 +1,49 @@
+# heatlike: `make demo` and `make test` work on a fresh clone; each sets up .venv first.
+#
+#   make setup   create .venv and install heatlike editable with the extras a local run needs
+#   make demo    run the main example under mpiexec on $(NP) ranks
+#   make test    lint, then the test suite under mpiexec at 1, 2, 3 and 4 ranks and on an
+#                emulated two-node topology (4 ranks, 2 per node)
+#   make bench   the communication benchmark on $(NP) ranks
+#
+# MPI=auto (default) uses the system MPI when `mpiexec` is on PATH and the MPICH wheel from the
+# package registry otherwise; MPI=wheel or MPI=system forces one. On a cluster, load the MPI
+# module first so mpi4py uses the cluster's library (docs/communication.md).
+
+PYTHON ?= python3
+VENV   ?= .venv
+NP     ?= 4
+MPI    ?= auto
+PY     := $(VENV)/bin/python
+
+ifeq ($(MPI),auto)
+  MPI := $(if $(shell command -v mpiexec 2>/dev/null),system,wheel)
+endif
+comma  := ,
+EXTRAS := test,examples$(if $(filter wheel,$(MPI)),$(comma)mpich)
+# Resolved when a recipe runs, i.e. after setup: the wheel's mpiexec if installed, else PATH's.
+MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS)]"
+	@touch $@
+
+demo: setup
+	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench comm --quick
+
+lint: setup
+	$(PY) -m ruff check heatlike tests examples
+
+test: lint
+	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3,4 --fake-nodes 2
+
+bench: setup
+	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench comm
+
+clean:
+	rm -rf $(VENV) .test-logs bench-results *.egg-info

@@ -1,0 +1,1 @@
+"""The benchmark suites behind ``python -m heatlike.bench`` (run under mpiexec or srun)."""

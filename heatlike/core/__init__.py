@@ -1,0 +1,16 @@
+"""heatlike core: communication, topology, and (later) the distributed tensor."""
+
+from . import communication, cuda_aware, topology  # noqa: F401
+from .communication import (  # noqa: F401
+    IN_PLACE,
+    MPI_SELF,
+    MPI_WORLD,
+    MPICommunication,
+    Request,
+    get_comm,
+    sanitize_comm,
+    test_all,
+    use_comm,
+    wait_all,
+)
+from .log import get_logger  # noqa: F401

@@ -1,0 +1,834 @@
+"""MPICommunication: one wrapper over an mpi4py intracommunicator.
+
+The upper-case methods mirror mpi4py's buffer interface (``Allreduce(sendbuf, recvbuf, op)``,
+``Bcast(buf, root)``, ...) and accept numpy arrays, torch tensors (CPU and CUDA), cupy arrays and
+``MPI.IN_PLACE`` where MPI allows it. Counts, displacements and block layouts are in *elements*
+of the C-order flattening of the buffer; a collective that concatenates (Allgather, Gather,
+Alltoall) puts rank i's block at element offset ``i * block``.
+
+Guarantees (docs/communication.md):
+
+* contiguous buffers are handed to MPI by address and never copied; non-contiguous ones are packed
+  and unpacked without touching memory outside the view and without modifying the caller's tensor
+  object;
+* float16 / bfloat16 reductions give the numeric result with float32 accumulation (``_halfreduce``);
+* every non-blocking method returns a :class:`Request` whose every completion path (``Wait``,
+  ``wait``, ``Test``, ``test``, :func:`wait_all`) finalizes the result;
+* CUDA buffers go to MPI directly when the library is CUDA-aware (``cuda_aware``), otherwise
+  through pinned host memory; only the producing (current) stream is synchronized;
+* bad arguments raise ``TypeError`` / ``ValueError`` naming the argument before anything is sent.
+
+Methods not defined here (lower-case pickle-based ``bcast``/``allreduce``/..., ``Probe``, ...)
+are forwarded to the underlying mpi4py communicator.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import _buffers
+from . import _halfreduce as _half
+from ._buffers import (
+    IN_PLACE,
+    as_tensor,
+    bspec,
+    direct,
+    overlaps,
+    readable,
+    spec,
+    sync_devices,
+    vspec,
+    writable,
+)
+from ._dtypes import _DIRECT as _DIRECT_TYPES
+from ._dtypes import HALF_DTYPES, direct_reduction_type, mpi_type, reduction_type
+from ._requests import Operation, Request, call, drive, test_all, wait_all
+from .chunking import chunk_range, counts_displs
+
+__all__ = [
+    "MPICommunication",
+    "MPI_WORLD",
+    "MPI_SELF",
+    "get_comm",
+    "use_comm",
+    "sanitize_comm",
+    "Request",
+    "wait_all",
+    "test_all",
+    "IN_PLACE",
+]
+
+
+# ---------------------------------------------------------------------------- argument checks
+
+
+def _int_list(values: object, arg: str, size: int) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    elif isinstance(values, np.ndarray):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise TypeError(f"{arg} must be a sequence of {size} integers")
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{arg} must contain integers, got {type(v).__name__}")
+        out.append(int(v))
+    if len(out) != size:
+        raise ValueError(f"{arg} has {len(out)} entries, expected one per rank ({size})")
+    return out
+
+
+def _vbuffer(obj: object, arg: str, size: int, write: bool):
+    """Parse ``(array, counts)`` or ``(array, counts, displs)`` of a v-collective."""
+    if not isinstance(obj, (tuple, list)) or len(obj) not in (2, 3):
+        raise TypeError(f"{arg} must be (array, counts) or (array, counts, displs)")
+    t, back = as_tensor(obj[0], arg, write)
+    counts = _int_list(obj[1], f"{arg} counts", size)
+    if len(obj) == 3:
+        displs = _int_list(obj[2], f"{arg} displs", size)
+    else:
+        displs = [0, *itertools.accumulate(counts[:-1])]
+    n = t.numel()
+    for i, (c, d) in enumerate(zip(counts, displs)):
+        if c < 0 or d < 0 or d + c > n:
+            raise ValueError(f"{arg}: block {i} (displacement {d}, count {c}) does not fit in "
+                             f"a buffer of {n} elements")
+    return t, back, counts, displs
+
+
+def _same_dtype(send: torch.Tensor, recv: torch.Tensor, name: str) -> None:
+    if send.dtype != recv.dtype:
+        raise TypeError(f"{name}: sendbuf has dtype {send.dtype} but recvbuf has {recv.dtype}")
+
+
+def _expect_numel(t: torch.Tensor, n: int, arg: str, name: str, why: str) -> None:
+    if t.numel() != n:
+        raise ValueError(f"{name}: {arg} has {t.numel()} elements, expected {n} ({why})")
+
+
+def _expect_divisible(t: torch.Tensor, size: int, arg: str, name: str) -> None:
+    if t.numel() % size:
+        raise ValueError(f"{name}: {arg} has {t.numel()} elements, not a multiple of the "
+                         f"communicator size {size}")
+
+
+def _no_alias(send: torch.Tensor, recv: torch.Tensor, name: str) -> None:
+    if send.is_contiguous() and recv.is_contiguous() and overlaps(send, recv):
+        raise ValueError(f"{name}: sendbuf and recvbuf overlap; pass MPI.IN_PLACE as sendbuf "
+                         "for an in-place operation")
+
+
+_Tensor = torch.Tensor
+_Op = MPI.Op
+_fromaddress = MPI.buffer.fromaddress
+
+
+def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
+    """Buffer specs for a reduction whose buffers can go to MPI untouched: plain contiguous CPU
+    tensors or C-contiguous numpy arrays of one dtype, a predefined op MPI computes exactly as
+    heatlike defines it, no overlap. None sends the call down the general path, which also
+    produces every error message. This is the hot path of small all-reduces, written out so that
+    it costs about a microsecond."""
+    if type(recvbuf) is _Tensor and not _buffers._stage_all:
+        if type(op) is not _Op or not recvbuf.is_cpu or not recvbuf.is_contiguous():
+            return None
+        table = _DIRECT_TYPES.get(op.py2f())
+        dtype = recvbuf.dtype
+        mtype = table.get(dtype) if table is not None else None
+        if mtype is None:
+            return None
+        n, nbytes, rp = recvbuf.numel(), recvbuf.nbytes, recvbuf.data_ptr()
+        if sendbuf is IN_PLACE:
+            return IN_PLACE, [_fromaddress(rp, nbytes), n, mtype]
+        if (type(sendbuf) is not _Tensor or not sendbuf.is_cpu or sendbuf.dtype is not dtype
+                or sendbuf.numel() != n or not sendbuf.is_contiguous()):
+            return None
+        sp = sendbuf.data_ptr()
+        if n and sp < rp + nbytes and rp < sp + nbytes:
+            return None
+        return [_fromaddress(sp, nbytes), n, mtype], [_fromaddress(rp, nbytes), n, mtype]
+    r = direct(recvbuf, True)
+    if r is None:
+        return None
+    rmem, n, dtype = r
+    mtype = direct_reduction_type(dtype, op)
+    if mtype is None:
+        return None
+    if sendbuf is IN_PLACE:
+        return IN_PLACE, [rmem, n, mtype]
+    s = direct(sendbuf, False)
+    if s is None or s[2] is not dtype or s[1] != n:
+        return None
+    smem = s[0]
+    sa, ra = smem.address, rmem.address
+    if n and sa < ra + rmem.nbytes and ra < sa + smem.nbytes:
+        return None
+    return [smem, n, mtype], [rmem, n, mtype]
+
+
+def _hold(request: MPI.Request, *objects) -> Operation:
+    """A one-phase operation keeping ``objects`` (the caller's buffers) alive until done."""
+    yield request
+
+
+def _same_size_send(sendbuf, recv: torch.Tensor, name: str) -> torch.Tensor | None:
+    """The send tensor of a collective whose ``sendbuf`` matches ``recvbuf`` element for element,
+    or None for ``MPI.IN_PLACE``."""
+    if sendbuf is IN_PLACE:
+        return None
+    send, _ = as_tensor(sendbuf, "sendbuf")
+    _same_dtype(send, recv, name)
+    _expect_numel(recv, send.numel(), "recvbuf", name, "the size of sendbuf")
+    _no_alias(send, recv, name)
+    return send
+
+
+def _free_handle(handle: MPI.Comm) -> None:
+    if not MPI.Is_finalized() and handle != MPI.COMM_NULL:
+        handle.Free()
+
+
+# ---------------------------------------------------------------------------- method factories
+
+
+def _operation(gen: Callable[..., Operation], blocking: bool, name: str, doc: str) -> Callable:
+    """Make the public blocking (``name``) or non-blocking (``I``-name) method of an operation."""
+    if blocking:
+        def method(self, *args, **kwargs):
+            drive(gen(self, *args, blocking=True, **kwargs))
+    else:
+        def method(self, *args, **kwargs):
+            return Request(gen(self, *args, blocking=False, **kwargs))
+    sig = inspect.signature(gen)
+    params = [p for p in sig.parameters.values()
+              if p.name != "blocking" and not p.name.startswith("_")]
+    method.__signature__ = sig.replace(
+        parameters=params, return_annotation="None" if blocking else "Request")
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = doc if blocking else f"Non-blocking :meth:`{name[1:]}`; returns a Request."
+    return method
+
+
+def _pair(gen: Callable[..., Operation]) -> tuple[Callable, Callable]:
+    name = gen.__name__.strip("_")
+    public = {"sendrecv": "Sendrecv"}.get(name, name[0].upper() + name[1:])
+    iname = "I" + public[0].lower() + public[1:]
+    return (_operation(gen, True, public, gen.__doc__),
+            _operation(gen, False, iname, gen.__doc__))
+
+
+# ---------------------------------------------------------------------------- the wrapper
+
+
+class MPICommunication:
+    """A heatlike communicator over an mpi4py intracommunicator ``handle``.
+
+    Communicators returned by :meth:`Split`, :meth:`Split_type`, :meth:`Create_group` and
+    :meth:`Dup` are owned by their wrapper: :meth:`Free` (or leaving a ``with`` block, or the
+    wrapper being garbage collected) frees the MPI communicator.
+    """
+
+    def __init__(self, handle: MPI.Intracomm = MPI.COMM_WORLD, *, _owned: bool = False) -> None:
+        if not isinstance(handle, MPI.Intracomm):
+            raise TypeError(f"handle must be an mpi4py Intracomm, got {type(handle).__name__}")
+        if handle == MPI.COMM_NULL:
+            raise ValueError("handle is MPI.COMM_NULL")
+        self.handle = handle
+        self.rank: int = handle.Get_rank()
+        self.size: int = handle.Get_size()
+        self._finalizer = weakref.finalize(self, _free_handle, handle) if _owned else None
+
+    # -- basics ------------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"MPICommunication(rank={self.rank}, size={self.size})"
+
+    def __getattr__(self, name: str):
+        # only reached for names this class does not define: forward to mpi4py
+        if name == "handle":
+            raise AttributeError(name)
+        return getattr(self.handle, name)
+
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.size > 1
+
+    def chunk(self, shape: Sequence[int], split: int | None, rank: int | None = None,
+              w_size: int | None = None) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
+        """Heat's ``chunk``: ``(offset, local_shape, slices)`` of ``rank``'s part of an array of
+        global ``shape`` split along ``split`` (None: the whole array); the first
+        ``shape[split] % size`` ranks hold one extra row."""
+        shape = tuple(int(s) for s in shape)
+        if split is None:
+            return 0, shape, tuple(slice(0, s) for s in shape)
+        rank = self.rank if rank is None else rank
+        size = self.size if w_size is None else w_size
+        start, stop = chunk_range(shape[split], size, rank)
+        lshape = shape[:split] + (stop - start,) + shape[split + 1:]
+        slices = tuple(slice(start, stop) if i == split else slice(0, s)
+                       for i, s in enumerate(shape))
+        return start, lshape, slices
+
+    def counts_displs(self, n: int) -> tuple[list[int], list[int]]:
+        """Counts and displacements of ``n`` elements distributed over the ranks."""
+        return counts_displs(n, self.size)
+
+    def _check_root(self, root: object) -> int:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
+            raise TypeError(f"root must be an integer rank, got {type(root).__name__}")
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} is not a rank of a communicator of size {self.size}")
+        return int(root)
+
+    def _check_peer(self, peer: object, arg: str, any_ok: bool = False) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, (int, np.integer)):
+            raise TypeError(f"{arg} must be an integer rank, got {type(peer).__name__}")
+        if peer == MPI.PROC_NULL or (any_ok and peer == MPI.ANY_SOURCE):
+            return int(peer)
+        if not 0 <= peer < self.size:
+            raise ValueError(f"{arg} {peer} is not a rank of a communicator of size {self.size}")
+        return int(peer)
+
+    def _rooted_send(self, sendbuf, root: object, name: str
+                     ) -> tuple[int, bool, torch.Tensor | None]:
+        """``(root, is_root, send)`` for a collective whose root may pass ``MPI.IN_PLACE`` as
+        ``sendbuf`` (``send`` is then None)."""
+        root = self._check_root(root)
+        is_root = self.rank == root
+        if sendbuf is IN_PLACE:
+            if not is_root:
+                raise ValueError(f"{name}: MPI.IN_PLACE as sendbuf is only valid at the root")
+            return root, True, None
+        return root, is_root, as_tensor(sendbuf, "sendbuf")[0]
+
+    # -- communicator management -------------------------------------------------------------
+
+    def _owned(self, handle: MPI.Comm) -> MPICommunication | None:
+        if handle == MPI.COMM_NULL:
+            return None
+        return MPICommunication(handle, _owned=True)
+
+    def Split(self, color: int = 0, key: int = 0) -> MPICommunication | None:
+        """Collective: sub-communicators of ranks with equal ``color`` ordered by ``key``;
+        ``color=MPI.UNDEFINED`` returns None."""
+        return self._owned(self.handle.Split(color, key))
+
+    def Split_type(self, split_type: int = MPI.COMM_TYPE_SHARED, key: int = 0,
+                   info: MPI.Info = MPI.INFO_NULL) -> MPICommunication | None:
+        """Collective: split by ``split_type`` (default: ranks sharing memory, i.e. a node)."""
+        return self._owned(self.handle.Split_type(split_type, key, info))
+
+    def Create_group(self, ranks: Sequence[int] | MPI.Group, tag: int = 0
+                     ) -> MPICommunication | None:
+        """A communicator of ``ranks`` (of this communicator, in that order).
+
+        Collective over the listed ranks only; a rank not listed gets None without
+        communicating.
+        """
+        if isinstance(ranks, MPI.Group):
+            group, free_group = ranks, False
+        else:
+            members = _int_list(list(ranks), "ranks", len(ranks))
+            if len(set(members)) != len(members):
+                raise ValueError(f"ranks contains duplicates: {members}")
+            for r in members:
+                self._check_peer(r, "ranks entry")
+            parent = self.handle.Get_group()
+            group, free_group = parent.Incl(members), True
+            parent.Free()
+        try:
+            if group.Get_rank() == MPI.UNDEFINED:
+                return None
+            return self._owned(self.handle.Create_group(group, tag))
+        finally:
+            if free_group:
+                group.Free()
+
+    def Dup(self) -> MPICommunication:
+        """Collective: a communicator with the same ranks and a separate message space."""
+        return self._owned(self.handle.Dup())
+
+    def Free(self) -> None:
+        """Free a communicator this wrapper owns (idempotent)."""
+        if self._finalizer is None:
+            raise ValueError("this communicator was not created by heatlike and is not freed "
+                             "by it")
+        self._finalizer()
+
+    @property
+    def freed(self) -> bool:
+        return self.handle == MPI.COMM_NULL
+
+    def __enter__(self) -> MPICommunication:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def _send(self, buf, dest: int, tag: int = 0, *, blocking: bool,
+              _mode: str = "Send") -> Operation:
+        """Send ``buf`` to ``dest``."""
+        dest = self._check_peer(dest, "dest")
+        t, _ = as_tensor(buf, "buf")
+        src = readable(t)
+        sync_devices(t)
+        yield from call(self.handle, blocking, _mode, spec(src), dest, tag)
+
+    def _ssend(self, buf, dest: int, tag: int = 0, *, blocking: bool) -> Operation:
+        """Synchronous send: completes only once the matching receive has started."""
+        return self._send(buf, dest, tag, blocking=blocking, _mode="Ssend")
+
+    def _recv(self, buf, source: int = MPI.ANY_SOURCE, tag: int = MPI.ANY_TAG,
+              status: MPI.Status | None = None, *, blocking: bool) -> Operation:
+        """Receive into ``buf`` (for the non-blocking form pass ``status`` to ``Wait``)."""
+        source = self._check_peer(source, "source", any_ok=True)
+        t, back = as_tensor(buf, "buf", write=True)
+        dst, fin = writable(t, back)
+        sync_devices(t)
+        if blocking:
+            self.handle.Recv(spec(dst), source, tag, status)
+        else:
+            yield self.handle.Irecv(spec(dst), source, tag)
+        if fin is not None:
+            fin()
+
+    def Sendrecv(self, sendbuf, dest: int, sendtag: int = 0, recvbuf=None,
+                 source: int = MPI.ANY_SOURCE, recvtag: int = MPI.ANY_TAG,
+                 status: MPI.Status | None = None) -> None:
+        """Send ``sendbuf`` to ``dest`` and receive into ``recvbuf`` from ``source`` at once."""
+        dest = self._check_peer(dest, "dest")
+        source = self._check_peer(source, "source", any_ok=True)
+        s, _ = as_tensor(sendbuf, "sendbuf")
+        r, back = as_tensor(recvbuf, "recvbuf", write=True)
+        _no_alias(s, r, "Sendrecv")
+        src = readable(s)
+        dst, fin = writable(r, back)
+        sync_devices(s, r)
+        self.handle.Sendrecv(spec(src), dest, sendtag, spec(dst), source, recvtag, status)
+        if fin is not None:
+            fin()
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def Barrier(self) -> None:
+        """Block until every rank has called it."""
+        self.handle.Barrier()
+
+    def Ibarrier(self) -> Request:
+        """Non-blocking :meth:`Barrier`."""
+        return Request(iter((self.handle.Ibarrier(),)))
+
+    def _bcast(self, buf, root: int = 0, *, blocking: bool) -> Operation:
+        """Copy ``buf`` of ``root`` into ``buf`` of every rank."""
+        root = self._check_root(root)
+        t, back = as_tensor(buf, "buf", write=self.rank != root)
+        if self.rank == root:
+            b, fin = readable(t), None
+        else:
+            b, fin = writable(t, back)
+        sync_devices(t)
+        yield from call(self.handle, blocking, "Bcast", spec(b), root)
+        if fin is not None:
+            fin()
+
+    def _reduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, root: int = 0, *,
+                blocking: bool) -> Operation:
+        """``recvbuf`` at ``root`` = ``op`` over the ``sendbuf`` of every rank (``sendbuf`` may be
+        ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
+        root, is_root, send = self._rooted_send(sendbuf, root, "Reduce")
+        recv = back = None
+        if is_root:
+            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+            if send is not None:
+                _same_dtype(send, recv, "Reduce")
+                _expect_numel(recv, send.numel(), "recvbuf", "Reduce", "the size of sendbuf")
+                _no_alias(send, recv, "Reduce")
+        reduction_type((recv if send is None else send).dtype, op)
+        src = None if send is None else readable(send)
+        dst = fin = None
+        if is_root:
+            dst, fin = writable(recv, back, keep_contents=send is None)
+        sync_devices(send, recv)
+        if (recv if send is None else send).dtype in HALF_DTYPES:
+            yield from _half.reduce(self.handle, src, dst, op, root, blocking)
+        else:
+            yield from call(self.handle, blocking, "Reduce", IN_PLACE if src is None else spec(src),
+                            spec(dst) if is_root else None, op, root)
+        if fin is not None:
+            fin()
+
+    def _allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, *,
+                   blocking: bool) -> Operation:
+        """``recvbuf`` of every rank = ``op`` over the ``sendbuf`` of every rank (``sendbuf`` may
+        be ``MPI.IN_PLACE``: the input is then ``recvbuf``). Half types accumulate in float32."""
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        reduction_type(recv.dtype, op)
+        send = _same_size_send(sendbuf, recv, "Allreduce")
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=send is None)
+        sync_devices(send, recv)
+        if recv.dtype in HALF_DTYPES:
+            yield from _half.allreduce(self.handle, src, dst, op, blocking)
+        else:
+            yield from call(self.handle, blocking, "Allreduce",
+                            IN_PLACE if src is None else spec(src), spec(dst), op)
+        if fin is not None:
+            fin()
+
+    def _scan_like(self, name: str, sendbuf, recvbuf, op: MPI.Op, blocking: bool) -> Operation:
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        reduction_type(recv.dtype, op)
+        send = _same_size_send(sendbuf, recv, name)
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=True)
+        sync_devices(send, recv)
+        if recv.dtype in HALF_DTYPES:
+            yield from _half.scan(self.handle, src, dst, op, name == "Exscan", blocking)
+        else:
+            yield from call(self.handle, blocking, name, IN_PLACE if src is None else spec(src),
+                            spec(dst), op)
+        if fin is not None:
+            fin()
+
+    def _scan(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, *, blocking: bool) -> Operation:
+        """Inclusive prefix reduction: ``recvbuf`` of rank r = ``op`` over ranks 0..r."""
+        return self._scan_like("Scan", sendbuf, recvbuf, op, blocking)
+
+    def _exscan(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, *, blocking: bool) -> Operation:
+        """Exclusive prefix reduction: ``recvbuf`` of rank r = ``op`` over ranks 0..r-1; rank 0's
+        ``recvbuf`` is left unchanged (MPI leaves it undefined)."""
+        return self._scan_like("Exscan", sendbuf, recvbuf, op, blocking)
+
+    def _reduce_scatter_block(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, *,
+                              blocking: bool) -> Operation:
+        """Reduce ``sendbuf`` (P blocks) over ranks and leave block r in ``recvbuf`` of rank r.
+        With ``sendbuf=MPI.IN_PLACE`` the input is ``recvbuf`` (P blocks) and block r ends up in
+        its first block."""
+        return self._reduce_scatter(sendbuf, recvbuf, None, op, blocking=blocking,
+                                    _name="Reduce_scatter_block")
+
+    def _reduce_scatter(self, sendbuf, recvbuf, recvcounts: Sequence[int] | None = None,
+                        op: MPI.Op = MPI.SUM, *, blocking: bool,
+                        _name: str = "Reduce_scatter") -> Operation:
+        """Reduce ``sendbuf`` over ranks and scatter it: rank r gets ``recvcounts[r]`` elements
+        (default: the balanced split, first ranks one more). With ``sendbuf=MPI.IN_PLACE`` the
+        input is ``recvbuf`` and rank r's result is written to its start."""
+        size = self.size
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        reduction_type(recv.dtype, op)
+        if sendbuf is IN_PLACE:
+            send = None
+            total = recv.numel()
+        else:
+            send, _ = as_tensor(sendbuf, "sendbuf")
+            _same_dtype(send, recv, _name)
+            _no_alias(send, recv, _name)
+            total = send.numel()
+        if _name == "Reduce_scatter_block":
+            _expect_divisible(send if send is not None else recv, size,
+                              "sendbuf" if send is not None else "recvbuf", _name)
+            counts = [total // size] * size
+        elif recvcounts is None:
+            counts = counts_displs(total, size)[0]
+        else:
+            counts = _int_list(recvcounts, "recvcounts", size)
+            if any(c < 0 for c in counts) or sum(counts) != total:
+                raise ValueError(f"{_name}: recvcounts {counts} must be non-negative and sum "
+                                 f"to the {total} input elements")
+        mine = counts[self.rank]
+        if send is not None:
+            _expect_numel(recv, mine, "recvbuf", _name, "this rank's count")
+            src = readable(send)
+            dst, fin = writable(recv, back)
+        else:  # input and output share recvbuf; the result goes to its first elements
+            src, fin = writable(recv, back, keep_contents=True)
+            dst = src.view(-1)[:mine]
+        sync_devices(send, recv)
+        if recv.dtype in HALF_DTYPES:
+            yield from _half.reduce_scatter(self.handle, src, dst, counts, op, blocking)
+        else:
+            sendspec = bspec(src, size) if _name == "Reduce_scatter_block" else spec(src)
+            if send is None:
+                sendspec, recvspec = IN_PLACE, sendspec
+            else:
+                recvspec = spec(dst)
+            extra = () if _name == "Reduce_scatter_block" else (counts,)
+            yield from call(self.handle, blocking, _name, sendspec, recvspec, *extra, op)
+        if fin is not None:
+            fin()
+
+    def _allgather(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
+        """``recvbuf`` = the ``sendbuf`` of every rank, concatenated in rank order (``sendbuf``
+        may be ``MPI.IN_PLACE``: each rank's block is already in place in ``recvbuf``)."""
+        size = self.size
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        if sendbuf is IN_PLACE:
+            send = None
+            _expect_divisible(recv, size, "recvbuf", "Allgather")
+        else:
+            send, _ = as_tensor(sendbuf, "sendbuf")
+            _same_dtype(send, recv, "Allgather")
+            _expect_numel(recv, size * send.numel(), "recvbuf", "Allgather",
+                          "communicator size x size of sendbuf")
+            _no_alias(send, recv, "Allgather")
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=send is None)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Allgather",
+                        IN_PLACE if src is None else spec(src), bspec(dst, size))
+        if fin is not None:
+            fin()
+
+    def _allgatherv(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
+        """``recvbuf=(array, counts[, displs])``: rank i's ``sendbuf`` (``counts[i]`` elements) is
+        placed at ``displs[i]`` on every rank (``sendbuf`` may be ``MPI.IN_PLACE``)."""
+        recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True)
+        send = None
+        if sendbuf is not IN_PLACE:
+            send, _ = as_tensor(sendbuf, "sendbuf")
+            _same_dtype(send, recv, "Allgatherv")
+            _expect_numel(send, counts[self.rank], "sendbuf", "Allgatherv",
+                          "recvbuf counts[rank]")
+            _no_alias(send, recv, "Allgatherv")
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=True)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Allgatherv",
+                        IN_PLACE if src is None else spec(src), vspec(dst, counts, displs))
+        if fin is not None:
+            fin()
+
+    def _alltoall(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
+        """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf`` (``sendbuf`` may
+        be ``MPI.IN_PLACE``)."""
+        size = self.size
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        _expect_divisible(recv, size, "recvbuf", "Alltoall")
+        send = _same_size_send(sendbuf, recv, "Alltoall")
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=send is None)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Alltoall",
+                        IN_PLACE if src is None else bspec(src, size), bspec(dst, size))
+        if fin is not None:
+            fin()
+
+    def _alltoallv(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
+        """``sendbuf=(array, counts[, displs])``, ``recvbuf`` likewise: ``sendcounts[j]`` elements
+        at ``senddispls[j]`` go to rank j, which stores them at its ``recvdispls[i]`` (``sendbuf``
+        may be ``MPI.IN_PLACE``; the send layout is then the receive layout)."""
+        recv, back, rcounts, rdispls = _vbuffer(recvbuf, "recvbuf", self.size, True)
+        send = None
+        if sendbuf is not IN_PLACE:
+            send, _, scounts, sdispls = _vbuffer(sendbuf, "sendbuf", self.size, False)
+            _same_dtype(send, recv, "Alltoallv")
+            _no_alias(send, recv, "Alltoallv")
+        src = None if send is None else readable(send)
+        dst, fin = writable(recv, back, keep_contents=True)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Alltoallv",
+                        IN_PLACE if src is None else vspec(src, scounts, sdispls),
+                        vspec(dst, rcounts, rdispls))
+        if fin is not None:
+            fin()
+
+    def _gather(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
+        """``recvbuf`` at ``root`` = every rank's ``sendbuf`` concatenated in rank order
+        (``sendbuf`` may be ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
+        size = self.size
+        root, is_root, send = self._rooted_send(sendbuf, root, "Gather")
+        recv = back = None
+        if is_root:
+            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+            if send is None:
+                _expect_divisible(recv, size, "recvbuf", "Gather")
+            else:
+                _same_dtype(send, recv, "Gather")
+                _expect_numel(recv, size * send.numel(), "recvbuf", "Gather",
+                              "communicator size x size of sendbuf")
+                _no_alias(send, recv, "Gather")
+        src = None if send is None else readable(send)
+        dst = fin = None
+        if is_root:
+            dst, fin = writable(recv, back, keep_contents=send is None)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Gather", IN_PLACE if src is None else spec(src),
+                        bspec(dst, size) if is_root else None, root)
+        if fin is not None:
+            fin()
+
+    def _gatherv(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
+        """At ``root``, ``recvbuf=(array, counts[, displs])`` receives rank i's ``sendbuf`` at
+        ``displs[i]`` (``sendbuf`` may be ``MPI.IN_PLACE`` at the root)."""
+        root, is_root, send = self._rooted_send(sendbuf, root, "Gatherv")
+        recv = back = None
+        if is_root:
+            recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True)
+            if send is not None:
+                _same_dtype(send, recv, "Gatherv")
+                _expect_numel(send, counts[root], "sendbuf", "Gatherv", "recvbuf counts[root]")
+                _no_alias(send, recv, "Gatherv")
+        src = None if send is None else readable(send)
+        dst = fin = None
+        if is_root:
+            dst, fin = writable(recv, back, keep_contents=True)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Gatherv", IN_PLACE if src is None else spec(src),
+                        vspec(dst, counts, displs) if is_root else None, root)
+        if fin is not None:
+            fin()
+
+    def _scatter(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
+        """Block r of ``sendbuf`` at ``root`` goes to ``recvbuf`` of rank r (``recvbuf`` may be
+        ``MPI.IN_PLACE`` at the root; ``sendbuf`` is ignored elsewhere)."""
+        root = self._check_root(root)
+        size, is_root = self.size, self.rank == root
+        send = recv = back = None
+        if recvbuf is IN_PLACE:
+            if not is_root:
+                raise ValueError("Scatter: MPI.IN_PLACE as recvbuf is only valid at the root")
+        else:
+            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        if is_root:
+            send, _ = as_tensor(sendbuf, "sendbuf")
+            if recv is None:
+                _expect_divisible(send, size, "sendbuf", "Scatter")
+            else:
+                _same_dtype(send, recv, "Scatter")
+                _expect_numel(send, size * recv.numel(), "sendbuf", "Scatter",
+                              "communicator size x size of recvbuf")
+                _no_alias(send, recv, "Scatter")
+        src = readable(send) if is_root else None
+        dst = fin = None
+        if recv is not None:
+            dst, fin = writable(recv, back)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Scatter", bspec(src, size) if is_root else None,
+                        IN_PLACE if dst is None else spec(dst), root)
+        if fin is not None:
+            fin()
+
+    def _scatterv(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
+        """At ``root``, ``sendbuf=(array, counts[, displs])``: ``counts[r]`` elements at
+        ``displs[r]`` go to ``recvbuf`` of rank r (``recvbuf`` may be ``MPI.IN_PLACE`` at the
+        root)."""
+        root = self._check_root(root)
+        is_root = self.rank == root
+        send = recv = back = None
+        if recvbuf is IN_PLACE:
+            if not is_root:
+                raise ValueError("Scatterv: MPI.IN_PLACE as recvbuf is only valid at the root")
+        else:
+            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        if is_root:
+            send, _, counts, displs = _vbuffer(sendbuf, "sendbuf", self.size, False)
+            if recv is not None:
+                _same_dtype(send, recv, "Scatterv")
+                _expect_numel(recv, counts[root], "recvbuf", "Scatterv", "sendbuf counts[root]")
+                _no_alias(send, recv, "Scatterv")
+        src = readable(send) if is_root else None
+        dst = fin = None
+        if recv is not None:
+            dst, fin = writable(recv, back)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Scatterv",
+                        vspec(src, counts, displs) if is_root else None,
+                        IN_PLACE if dst is None else spec(dst), root)
+        if fin is not None:
+            fin()
+
+    Send, Isend = _pair(_send)
+    Ssend, Issend = _pair(_ssend)
+    Recv, Irecv = _pair(_recv)
+    Bcast, Ibcast = _pair(_bcast)
+    Reduce, Ireduce = _pair(_reduce)
+    Allreduce, Iallreduce = _pair(_allreduce)
+    Scan, Iscan = _pair(_scan)
+    Exscan, Iexscan = _pair(_exscan)
+    Reduce_scatter, Ireduce_scatter = _pair(_reduce_scatter)
+    Reduce_scatter_block, Ireduce_scatter_block = _pair(_reduce_scatter_block)
+    Allgather, Iallgather = _pair(_allgather)
+    Allgatherv, Iallgatherv = _pair(_allgatherv)
+    Alltoall, Ialltoall = _pair(_alltoall)
+    Alltoallv, Ialltoallv = _pair(_alltoallv)
+    Gather, Igather = _pair(_gather)
+    Gatherv, Igatherv = _pair(_gatherv)
+    Scatter, Iscatter = _pair(_scatter)
+    Scatterv, Iscatterv = _pair(_scatterv)
+
+    # Fast paths for the hottest calls: plain contiguous host buffers go straight to MPI; anything
+    # else (and every error) takes the general operation above. Same results either way.
+
+    def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:  # noqa: F811
+        specs = _direct_reduction(sendbuf, recvbuf, op)
+        if specs is not None:
+            self.handle.Allreduce(specs[0], specs[1], op)
+        else:
+            drive(self._allreduce(sendbuf, recvbuf, op, blocking=True))
+
+    def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:  # noqa: F811
+        specs = _direct_reduction(sendbuf, recvbuf, op)
+        if specs is not None:
+            return Request(_hold(self.handle.Iallreduce(specs[0], specs[1], op),
+                                 sendbuf, recvbuf))
+        return Request(self._allreduce(sendbuf, recvbuf, op, blocking=False))
+
+    def Bcast(self, buf, root: int = 0) -> None:  # noqa: F811
+        d = direct(buf, True)
+        if d is not None and type(root) is int and 0 <= root < self.size:
+            self.handle.Bcast([d[0], d[1], mpi_type(d[2])], root)
+        else:
+            drive(self._bcast(buf, root, blocking=True))
+
+    def Ibcast(self, buf, root: int = 0) -> Request:  # noqa: F811
+        d = direct(buf, True)
+        if d is not None and type(root) is int and 0 <= root < self.size:
+            return Request(_hold(self.handle.Ibcast([d[0], d[1], mpi_type(d[2])], root), buf))
+        return Request(self._bcast(buf, root, blocking=False))
+
+    for _fast in (Allreduce, Iallreduce, Bcast, Ibcast):
+        _fast.__doc__ = (_allreduce if "reduce" in _fast.__name__ else _bcast).__doc__
+        if _fast.__name__.startswith("I"):
+            _fast.__doc__ = f"Non-blocking :meth:`{_fast.__name__[1:]}`; returns a Request."
+    del _fast
+
+
+MPI_WORLD = MPICommunication(MPI.COMM_WORLD)
+MPI_SELF = MPICommunication(MPI.COMM_SELF)
+
+_default_comm = MPI_WORLD
+
+
+def get_comm() -> MPICommunication:
+    """The default communicator (``MPI_WORLD`` unless changed with :func:`use_comm`)."""
+    return _default_comm
+
+
+def use_comm(comm: MPICommunication | None = None) -> None:
+    """Make ``comm`` the default communicator (None: back to ``MPI_WORLD``)."""
+    global _default_comm
+    _default_comm = sanitize_comm(comm) if comm is not None else MPI_WORLD
+
+
+def sanitize_comm(comm: MPICommunication | MPI.Intracomm | None) -> MPICommunication:
+    """``comm`` as an MPICommunication: None gives the default, an mpi4py communicator is
+    wrapped (not owned)."""
+    if comm is None:
+        return _default_comm
+    if isinstance(comm, MPICommunication):
+        return comm
+    if isinstance(comm, MPI.Intracomm):
+        return MPICommunication(comm)
+    raise TypeError(f"comm must be an MPICommunication or mpi4py Intracomm, "
+                    f"got {type(comm).__name__}")

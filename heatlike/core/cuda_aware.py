@@ -1,0 +1,99 @@
+"""Is the loaded MPI library CUDA-aware?
+
+Asked of the library itself, never guessed from environment variables:
+
+1. ``HEATLIKE_CUDA_AWARE_MPI=1`` or ``=0`` overrides everything (for libraries that do not export
+   a query function, or to force host staging when a library's GPU path misbehaves).
+2. Otherwise the symbols of the libmpi already loaded by mpi4py are looked up through ctypes:
+   ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)`` (MPICH >= 4) and then
+   ``MPIX_Query_cuda_support()`` (Open MPI, older MPICH). A library that exports neither is treated
+   as not CUDA-aware.
+
+When the answer is "no", device buffers are staged through pinned host memory, and one log line
+says so the first time it happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from mpi4py import MPI
+
+__all__ = ["cuda_aware", "query_library", "refresh"]
+
+_MPIX_GPU_SUPPORT_CUDA = 0
+_cached: bool | None = None
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """Paths of the shared libraries named libmpi* mapped into this process."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(" ", 1)[-1].strip()
+                name = os.path.basename(path)
+                if name.startswith("libmpi") and ".so" in name and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    return paths
+
+
+def _handles() -> list[ctypes.CDLL]:
+    handles = []
+    for path in [MPI.__file__, *_loaded_mpi_libraries()]:
+        try:
+            handles.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return handles
+
+
+def query_library() -> bool | None:
+    """Ask the loaded MPI library whether it supports CUDA buffers.
+
+    Returns True or False from the library's own query function, or None if it exports none.
+    """
+    for lib in _handles():
+        fn = getattr(lib, "MPIX_GPU_query_support", None)
+        if fn is not None:
+            flag = ctypes.c_int(0)
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            fn.restype = ctypes.c_int
+            if fn(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag)) == 0:
+                return bool(flag.value)
+        fn = getattr(lib, "MPIX_Query_cuda_support", None)
+        if fn is not None:
+            fn.argtypes = []
+            fn.restype = ctypes.c_int
+            return bool(fn())
+    return None
+
+
+def _from_environment() -> bool | None:
+    value = os.environ.get("HEATLIKE_CUDA_AWARE_MPI", "").strip().lower()
+    if value == "":
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"HEATLIKE_CUDA_AWARE_MPI must be 0 or 1, got {value!r}")
+
+
+def cuda_aware() -> bool:
+    """Whether device buffers are handed to MPI directly (True) or staged through host memory."""
+    global _cached
+    if _cached is None:
+        forced = _from_environment()
+        _cached = forced if forced is not None else bool(query_library())
+    return _cached
+
+
+def refresh() -> bool:
+    """Forget the cached answer (after changing ``HEATLIKE_CUDA_AWARE_MPI``) and ask again."""
+    global _cached
+    _cached = None
+    return cuda_aware()

@@ -1,0 +1,158 @@
+"""Who runs on which node: node ids, local ranks, node-local and cross-node communicators.
+
+The node of every rank is found, in this order of precedence, from
+
+1. the ``node_ids`` argument of :class:`Topology` (one node id per rank of ``comm``);
+2. ``HEATLIKE_NODE_IDS=0,0,1,1`` (explicit, any placement, for tests);
+3. ``HEATLIKE_RANKS_PER_NODE=k``: consecutive blocks of k ranks form a node (the last block may be
+   smaller), so a laptop or a CI machine can emulate several nodes;
+4. ``Split_type(COMM_TYPE_SHARED)``: the ranks that share memory, i.e. the real node.
+
+Node ids are numbered 0..N-1 in the order of each node's lowest rank. Nothing assumes block
+placement or equal node sizes: ranks {0, 2} on one node and {1, 3} on another work, and so do
+nodes of 2 and 1 ranks.
+
+Communicators (all owned by the Topology and freed by :meth:`Topology.free`):
+
+* ``node_comm``: the ranks of this rank's node, ordered by rank;
+* ``cross_comm``: the ranks with this rank's local rank, one per node, ordered by node id ("group
+  i = local rank i of every node"; on unequal nodes the higher groups span fewer nodes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mpi4py import MPI
+
+from .communication import MPICommunication, sanitize_comm
+
+__all__ = ["Topology", "get_topology", "detect_node_ids"]
+
+
+def _env_node_ids(size: int) -> list[int] | None:
+    explicit = os.environ.get("HEATLIKE_NODE_IDS", "").strip()
+    if explicit:
+        try:
+            ids = [int(v) for v in explicit.split(",")]
+        except ValueError:
+            raise ValueError(f"HEATLIKE_NODE_IDS must be comma-separated integers, "
+                             f"got {explicit!r}") from None
+        if len(ids) != size:
+            raise ValueError(f"HEATLIKE_NODE_IDS lists {len(ids)} ranks but the communicator "
+                             f"has {size}")
+        return ids
+    per_node = os.environ.get("HEATLIKE_RANKS_PER_NODE", "").strip()
+    if per_node:
+        try:
+            k = int(per_node)
+        except ValueError:
+            k = 0
+        if k <= 0:
+            raise ValueError(f"HEATLIKE_RANKS_PER_NODE must be a positive integer, "
+                             f"got {per_node!r}")
+        return [r // k for r in range(size)]
+    return None
+
+
+def _normalize(ids: Sequence[int]) -> list[int]:
+    """Renumber node labels 0..N-1 in the order of each node's lowest rank."""
+    order: dict[int, int] = {}
+    for label in ids:
+        order.setdefault(label, len(order))
+    return [order[label] for label in ids]
+
+
+def detect_node_ids(comm: MPICommunication) -> list[int]:
+    """Collective: the node id of every rank of ``comm`` (overrides, then shared memory)."""
+    ids = _env_node_ids(comm.size)
+    if ids is None:
+        shared = comm.handle.Split_type(MPI.COMM_TYPE_SHARED, comm.rank)
+        try:
+            leader = shared.allreduce(comm.rank, op=MPI.MIN)
+        finally:
+            shared.Free()
+        ids = comm.handle.allgather(leader)
+    return _normalize(ids)
+
+
+@dataclass(eq=False)
+class Topology:
+    """The node layout of ``comm`` and the communicators that follow it.
+
+    Collective over ``comm`` at construction. ``cross_method`` chooses how the cross-node
+    communicators are built: ``"split"`` (``MPI_Comm_split``) or ``"group"``
+    (``MPI_Comm_create_group`` over the ranks of the group, as DASO's ``use_mpi_groups``).
+    """
+
+    comm: MPICommunication
+    node_ids: tuple[int, ...] = field(default=())
+    cross_method: str = "split"
+
+    def __post_init__(self) -> None:
+        self.comm = sanitize_comm(self.comm)
+        comm = self.comm
+        if self.cross_method not in ("split", "group"):
+            raise ValueError(f"cross_method must be 'split' or 'group', got {self.cross_method!r}")
+        if self.node_ids:
+            if len(self.node_ids) != comm.size:
+                raise ValueError(f"node_ids lists {len(self.node_ids)} ranks but the "
+                                 f"communicator has {comm.size}")
+            ids = _normalize(self.node_ids)
+        else:
+            ids = detect_node_ids(comm)
+        # every rank must see the same layout, or the splits below would not match
+        if len(set(comm.handle.allgather(tuple(ids)))) != 1:
+            raise ValueError("ranks disagree on the node layout (check HEATLIKE_NODE_IDS / "
+                             "HEATLIKE_RANKS_PER_NODE are the same everywhere)")
+        self.node_ids = tuple(ids)
+        self.node = ids[comm.rank]
+        self.num_nodes = max(ids) + 1
+        self.node_ranks: tuple[tuple[int, ...], ...] = tuple(
+            tuple(r for r in range(comm.size) if ids[r] == n) for n in range(self.num_nodes))
+        self.local_sizes = tuple(len(ranks) for ranks in self.node_ranks)
+        self.local_rank = self.node_ranks[self.node].index(comm.rank)
+        self.local_size = self.local_sizes[self.node]
+        self.local_ranks = tuple(self.node_ranks[ids[r]].index(r) for r in range(comm.size))
+        self.node_comm = comm.Split(color=self.node, key=comm.rank)
+        if self.cross_method == "split":
+            self.cross_comm = comm.Split(color=self.local_rank, key=self.node)
+        else:
+            self.cross_comm = comm.Create_group(self.cross_ranks(self.local_rank))
+
+    def cross_ranks(self, local_rank: int) -> tuple[int, ...]:
+        """Ranks (of ``comm``) in cross-node group ``local_rank``: that local rank on every node
+        that has it, in node order."""
+        return tuple(ranks[local_rank] for ranks in self.node_ranks if local_rank < len(ranks))
+
+    @property
+    def num_cross_groups(self) -> int:
+        """How many cross-node groups exist (the largest node's size)."""
+        return max(self.local_sizes)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank is local rank 0 of its node."""
+        return self.local_rank == 0
+
+    def free(self) -> None:
+        """Free the node-local and cross-node communicators."""
+        for c in (self.node_comm, self.cross_comm):
+            if c is not None:
+                c.Free()
+
+    def __repr__(self) -> str:
+        return (f"Topology(nodes={self.num_nodes}, local_sizes={self.local_sizes}, "
+                f"rank={self.comm.rank}, node={self.node}, local_rank={self.local_rank})")
+
+
+def get_topology(comm: MPICommunication | None = None) -> Topology:
+    """Collective on the first call for a communicator: its :class:`Topology` (cached on it)."""
+    comm = sanitize_comm(comm)
+    topo = comm.__dict__.get("_topology")
+    if topo is None:
+        topo = Topology(comm)
+        comm.__dict__["_topology"] = topo
+    return topo

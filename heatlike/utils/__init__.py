@@ -1,0 +1,3 @@
+"""Utilities: launching with abort-on-error, (later) data loading, checkpoints, tracing."""
+
+from .launch import abort_on_exception, install_abort_handler  # noqa: F401

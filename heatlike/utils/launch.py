@@ -1,0 +1,75 @@
+"""Never leave a job hanging after an uncaught exception.
+
+When one rank of an MPI job dies from an exception while the others wait in a collective, the
+job hangs until the batch system kills it. With :func:`install_abort_handler` (or
+``python -m heatlike script.py``, or the :func:`abort_on_exception` decorator / context manager)
+an uncaught exception on any rank prints the rank and the traceback to stderr and calls
+``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import socket
+import sys
+import threading
+import traceback
+from types import TracebackType
+
+from mpi4py import MPI
+
+__all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script"]
+
+
+def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
+    """Print this rank's traceback (of ``exc``, if given) with its rank and abort the whole job."""
+    comm = MPI.COMM_WORLD
+    header = (f"heatlike: uncaught exception on rank {comm.Get_rank()} of {comm.Get_size()} "
+              f"(host {socket.gethostname()}, pid {os.getpid()}); aborting the MPI job\n")
+    text = "".join(traceback.format_exception(exc)) if exc is not None else ""
+    try:
+        sys.stderr.write(header + text)
+        sys.stderr.flush()
+    finally:
+        comm.Abort(errorcode)
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException,
+                tb: TracebackType | None) -> None:
+    abort_job(exc.with_traceback(tb))
+
+
+def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    abort_job(args.exc_value)
+
+
+def install_abort_handler() -> None:
+    """Abort the whole MPI job on an uncaught exception in any thread of this process (only when
+    more than one rank runs; a single process exits normally)."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        sys.excepthook = _excepthook
+        threading.excepthook = _thread_excepthook
+
+
+class abort_on_exception(contextlib.ContextDecorator):
+    """``with abort_on_exception():`` / ``@abort_on_exception()``: an exception leaving the block
+    aborts the job (with more than one rank) instead of leaving other ranks waiting."""
+
+    def __enter__(self) -> abort_on_exception:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is not None and exc_type is not SystemExit and MPI.COMM_WORLD.Get_size() > 1:
+            abort_job(exc)
+        return False
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """Run a Python script as ``__main__`` with the abort handler installed."""
+    install_abort_handler()
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")

@@ -1,0 +1,146 @@
+"""Shared test helpers: per-rank data every rank can recompute, buffer layouts, numpy references."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+SENTINEL = 77
+
+NUMPY_OF = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
+    torch.complex128: np.complex128,
+}
+
+# numpy reference of each predefined op; logical ops on integers give 0/1 like MPI
+REFERENCE_OPS = {
+    "SUM": np.add, "PROD": np.multiply, "MIN": np.minimum, "MAX": np.maximum,
+    "LAND": np.logical_and, "LOR": np.logical_or, "LXOR": np.logical_xor,
+    "BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor,
+}
+MPI_OPS = {name: getattr(MPI, name) for name in REFERENCE_OPS}
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+INTS = (torch.int8, torch.int32, torch.int64, torch.uint8)
+VALID_OPS = {
+    "SUM": (*FLOATS, *INTS, torch.complex64),
+    "PROD": (*FLOATS, *INTS, torch.complex64),
+    "MIN": (*FLOATS, *INTS),
+    "MAX": (*FLOATS, *INTS),
+    "LAND": (*INTS, torch.bool),
+    "LOR": (*INTS, torch.bool),
+    "LXOR": (*INTS, torch.bool),
+    "BAND": INTS,
+    "BOR": INTS,
+    "BXOR": INTS,
+}
+
+
+def rank_data(rank: int, shape: tuple[int, ...], dtype: torch.dtype, op: str = "SUM",
+              seed: int = 0) -> torch.Tensor:
+    """Deterministic data of ``rank``. Integer-valued so that every reduction is exact in every
+    dtype and order: products of up to 4 ranks stay below 2**8 in magnitude."""
+    rng = np.random.default_rng([seed, rank, len(shape), *shape])
+    if dtype is torch.bool:
+        return torch.from_numpy(rng.integers(0, 2, shape).astype(bool))
+    if dtype is torch.uint8:
+        low, high = (1, 4) if op == "PROD" else (0, 50)
+    elif op == "PROD":
+        low, high = -3, 4
+    else:
+        low, high = -20, 21
+    values = rng.integers(low, high, shape)
+    if dtype.is_complex:
+        values = values + 1j * rng.integers(-3, 4, shape)
+        return torch.from_numpy(values.astype(NUMPY_OF[dtype]))
+    return torch.from_numpy(values.astype(np.float64)).to(dtype)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """numpy copy of a tensor (bfloat16 via float32, exact for the test values)."""
+    t = t.detach().cpu()
+    if t.dtype is torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy().copy()
+
+
+def reduce_reference(arrays: list[np.ndarray], op: str, dtype: torch.dtype) -> np.ndarray:
+    out = functools.reduce(REFERENCE_OPS[op], arrays)
+    return out.astype(arrays[0].dtype)
+
+
+def layouts(dtype: torch.dtype, rank2: bool = True) -> list[str]:
+    """Names of the buffer layouts a test should try for ``dtype``."""
+    names = ["contiguous", "offset", "strided"]
+    if rank2:
+        names.append("transposed")
+    if dtype in NUMPY_OF:
+        names += ["numpy", "numpy-reversed"]
+    return names
+
+
+def make_buffer(values: torch.Tensor, layout: str):
+    """A buffer with ``values`` in ``layout``; returns (buffer, base), ``base`` holding memory
+    around the view (filled with SENTINEL) that must never change."""
+    shape, dtype = tuple(values.shape), values.dtype
+    n = values.numel()
+    if layout == "contiguous":
+        return values.clone(), None
+    if layout == "offset":
+        base = torch.full((n + 3,), SENTINEL, dtype=dtype)
+        view = base[3:].view(shape)
+        view.copy_(values)
+        return view, base
+    if layout == "strided":  # every other element of a larger buffer: gaps the view must not touch
+        if len(shape) == 1:
+            base = torch.full((2 * n + 1,), SENTINEL, dtype=dtype)
+            view = base[1::2]
+        else:
+            assert len(shape) == 2
+            base = torch.full((shape[0], 2 * shape[1]), SENTINEL, dtype=dtype)
+            view = base[:, ::2]
+        view.copy_(values)
+        return view, base
+    if layout == "transposed":
+        assert len(shape) == 2
+        base = torch.full((shape[1], shape[0]), SENTINEL, dtype=dtype)
+        view = base.t()
+        view.copy_(values)
+        return view, base
+    if layout == "numpy":
+        return to_numpy(values), None
+    if layout == "numpy-reversed":
+        arr = np.ascontiguousarray(to_numpy(values)[::-1])[::-1]
+        assert arr.size < 2 or any(s < 0 for s in arr.strides)
+        return arr, None
+    raise ValueError(layout)
+
+
+def read_back(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        return np.array(buf)
+    return to_numpy(buf)
+
+
+def gaps_intact(buf, base) -> bool:
+    """Whether every element of ``base`` outside the view ``buf`` still holds SENTINEL."""
+    if base is None:
+        return True
+    mask = torch.ones(base.shape, dtype=torch.bool)
+    offset = buf.storage_offset() - base.storage_offset()
+    view_mask = mask.as_strided(buf.shape, buf.stride(), offset)
+    view_mask.fill_(False)
+    sentinel = torch.tensor(SENTINEL).to(base.dtype)
+    return bool((base[mask] == sentinel).all())
+
+
+def tensor_identity(t) -> tuple:
+    """What must not change about a caller's tensor object (Heat replaced storages with set_)."""
+    if isinstance(t, np.ndarray):
+        return (t.__array_interface__["data"][0], t.strides, t.shape)
+    return (t.data_ptr(), t.stride(), t.storage_offset(), tuple(t.shape))

@@ -1,0 +1,251 @@
+"""Data movement: Bcast, Allgather(v), Alltoall(v), Gather(v), Scatter(v), point-to-point; every
+layout, MPI.IN_PLACE where MPI allows it, every root, compared with the expected placement."""
+
+import numpy as np
+import pytest
+import torch
+from _helpers import gaps_intact, make_buffer, rank_data, read_back, tensor_identity, to_numpy
+from mpi4py import MPI
+
+import heatlike as hl
+
+pytestmark = pytest.mark.mpi
+
+DTYPES = [torch.float32, torch.int64, torch.bfloat16, torch.float16, torch.bool, torch.uint8]
+LAYOUTS = ["contiguous", "offset", "strided", "numpy", "numpy-reversed"]
+
+
+def _layouts(dtype):
+    return [lay for lay in LAYOUTS if not (lay.startswith("numpy") and dtype is torch.bfloat16)]
+
+
+def _data(rank, n, dtype, seed=0):
+    return rank_data(rank, (n,), dtype, seed=seed)
+
+
+def _zeros(n, dtype, layout):
+    return make_buffer(torch.zeros(n, dtype=dtype), layout)
+
+
+def _blocking_or_not(comm, name, nonblocking, *args, **kwargs):
+    if nonblocking:
+        getattr(comm, "I" + name[0].lower() + name[1:])(*args, **kwargs).Wait()
+    else:
+        getattr(comm, name)(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_bcast(comm, dtype, nonblocking):
+    for layout in _layouts(dtype):
+        for root in range(comm.size):
+            expected = to_numpy(_data(root, 7, dtype, seed=root))
+            if comm.rank == root:
+                buf, base = make_buffer(_data(root, 7, dtype, seed=root), layout)
+            else:
+                buf, base = _zeros(7, dtype, layout)
+            ident = tensor_identity(buf)
+            _blocking_or_not(comm, "Bcast", nonblocking, buf, root=root)
+            np.testing.assert_array_equal(read_back(buf), expected, err_msg=f"{layout} {root}")
+            assert gaps_intact(buf, base) and tensor_identity(buf) == ident
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_allgather_and_gather(comm, dtype, nonblocking):
+    k, size = 3, comm.size
+    everyone = np.concatenate([to_numpy(_data(r, k, dtype)) for r in range(size)])
+    for layout in _layouts(dtype):
+        for inplace in (False, True):
+            what = f"{layout} inplace={inplace}"
+            send, sbase = make_buffer(_data(comm.rank, k, dtype), layout)
+            recv, rbase = _zeros(size * k, dtype, layout)
+            if inplace:
+                full = torch.zeros(size * k, dtype=dtype)
+                full[comm.rank * k:(comm.rank + 1) * k] = _data(comm.rank, k, dtype)
+                recv, rbase = make_buffer(full, layout)
+                _blocking_or_not(comm, "Allgather", nonblocking, hl.IN_PLACE, recv)
+            else:
+                _blocking_or_not(comm, "Allgather", nonblocking, send, recv)
+            np.testing.assert_array_equal(read_back(recv), everyone, err_msg="Allgather " + what)
+            assert gaps_intact(send, sbase) and gaps_intact(recv, rbase), what
+            for root in range(size):
+                at_root = comm.rank == root
+                send, _ = make_buffer(_data(comm.rank, k, dtype), layout)
+                if inplace and at_root:
+                    full = torch.zeros(size * k, dtype=dtype)
+                    full[root * k:(root + 1) * k] = _data(root, k, dtype)
+                    recv, rbase = make_buffer(full, layout)
+                    _blocking_or_not(comm, "Gather", nonblocking, hl.IN_PLACE, recv, root=root)
+                else:
+                    recv, rbase = _zeros(size * k, dtype, layout) if at_root else (None, None)
+                    _blocking_or_not(comm, "Gather", nonblocking, send, recv, root=root)
+                if at_root:
+                    np.testing.assert_array_equal(read_back(recv), everyone,
+                                                  err_msg=f"Gather {what} root={root}")
+                    assert gaps_intact(recv, rbase)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32], ids=str)
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_allgatherv_and_gatherv(comm, dtype, nonblocking):
+    size = comm.size
+    counts = [(r * 2) % 5 for r in range(size)]  # includes empty contributions
+    displs = [sum(counts[:r]) + r for r in range(size)]  # with holes between blocks
+    total = displs[-1] + counts[-1] + 1
+    expected = torch.zeros(total, dtype=dtype)
+    for r in range(size):
+        expected[displs[r]:displs[r] + counts[r]] = _data(r, counts[r], dtype, seed=r)
+    for layout in _layouts(dtype):
+        for inplace in (False, True):
+            what = f"{layout} inplace={inplace}"
+            mine = _data(comm.rank, counts[comm.rank], dtype, seed=comm.rank)
+            send, _ = make_buffer(mine, layout)
+            if inplace:
+                start = torch.zeros(total, dtype=dtype)
+                start[displs[comm.rank]:displs[comm.rank] + counts[comm.rank]] = mine
+                recv, rbase = make_buffer(start, layout)
+                _blocking_or_not(comm, "Allgatherv", nonblocking, hl.IN_PLACE,
+                                 (recv, counts, displs))
+            else:
+                recv, rbase = _zeros(total, dtype, layout)
+                _blocking_or_not(comm, "Allgatherv", nonblocking, send, (recv, counts, displs))
+            np.testing.assert_array_equal(read_back(recv), to_numpy(expected), err_msg=what)
+            assert gaps_intact(recv, rbase)
+            for root in range(size):
+                recv, _ = _zeros(total, dtype, layout)
+                spec = (recv, counts, displs) if comm.rank == root else None
+                _blocking_or_not(comm, "Gatherv", nonblocking, send, spec, root=root)
+                if comm.rank == root:
+                    np.testing.assert_array_equal(read_back(recv), to_numpy(expected),
+                                                  err_msg=f"Gatherv {what} root={root}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int8], ids=str)
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_scatter_and_scatterv(comm, dtype, nonblocking):
+    size, k = comm.size, 2
+    for layout in _layouts(dtype):
+        for root in range(size):
+            full = _data(root, size * k, dtype, seed=10 + root)
+            send, sbase = make_buffer(full, layout) if comm.rank == root else (None, None)
+            recv, rbase = _zeros(k, dtype, layout)
+            _blocking_or_not(comm, "Scatter", nonblocking, send, recv, root=root)
+            np.testing.assert_array_equal(read_back(recv),
+                                          to_numpy(full[comm.rank * k:(comm.rank + 1) * k]))
+            assert gaps_intact(recv, rbase)
+            if comm.rank == root:  # in place at the root: its block stays in sendbuf
+                send, _ = make_buffer(full, layout)
+                _blocking_or_not(comm, "Scatter", nonblocking, send, hl.IN_PLACE, root=root)
+                np.testing.assert_array_equal(read_back(send), to_numpy(full))
+            else:
+                recv, _ = _zeros(k, dtype, layout)
+                _blocking_or_not(comm, "Scatter", nonblocking, None, recv, root=root)
+                np.testing.assert_array_equal(read_back(recv),
+                                              to_numpy(full[comm.rank * k:(comm.rank + 1) * k]))
+            counts = [r % 3 + 1 for r in range(size)]
+            displs = [sum(counts[:r]) for r in range(size)]
+            fullv = _data(root, sum(counts), dtype, seed=20 + root)
+            spec = (make_buffer(fullv, layout)[0], counts, displs) if comm.rank == root else None
+            recv, _ = _zeros(counts[comm.rank], dtype, layout)
+            _blocking_or_not(comm, "Scatterv", nonblocking, spec, recv, root=root)
+            mine = fullv[displs[comm.rank]:displs[comm.rank] + counts[comm.rank]]
+            np.testing.assert_array_equal(read_back(recv), to_numpy(mine), err_msg=layout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64], ids=str)
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "nonblocking"])
+def test_alltoall_and_alltoallv(comm, dtype, nonblocking):
+    size, k = comm.size, 2
+
+    def block(src, dst):
+        return _data(src, k, dtype, seed=100 * dst + src)
+
+    expected = torch.cat([block(src, comm.rank) for src in range(size)])
+    for layout in _layouts(dtype):
+        for inplace in (False, True):
+            send, sbase = make_buffer(torch.cat([block(comm.rank, d) for d in range(size)]),
+                                      layout)
+            if inplace:
+                _blocking_or_not(comm, "Alltoall", nonblocking, hl.IN_PLACE, send)
+                got = read_back(send)
+            else:
+                recv, rbase = _zeros(size * k, dtype, layout)
+                _blocking_or_not(comm, "Alltoall", nonblocking, send, recv)
+                got = read_back(recv)
+                assert gaps_intact(recv, rbase)
+            np.testing.assert_array_equal(got, to_numpy(expected), err_msg=f"{layout} {inplace}")
+            assert gaps_intact(send, sbase)
+        # v-form: rank i sends (i + j) % 3 elements to rank j
+        scounts = [(comm.rank + j) % 3 for j in range(size)]
+        rcounts = [(i + comm.rank) % 3 for i in range(size)]
+        sdispls = [sum(scounts[:j]) for j in range(size)]
+        rdispls = [sum(rcounts[:i]) + i for i in range(size)]  # holes between blocks
+        sendv = torch.cat([block(comm.rank, j)[: scounts[j]] for j in range(size)])
+        expected_v = torch.zeros(rdispls[-1] + rcounts[-1], dtype=dtype)
+        for i in range(size):
+            expected_v[rdispls[i]:rdispls[i] + rcounts[i]] = block(i, comm.rank)[: rcounts[i]]
+        send, _ = make_buffer(sendv, layout)
+        recv, _ = _zeros(expected_v.numel(), dtype, layout)
+        _blocking_or_not(comm, "Alltoallv", nonblocking, (send, scounts, sdispls),
+                         (recv, rcounts, rdispls))
+        np.testing.assert_array_equal(read_back(recv), to_numpy(expected_v), err_msg=layout)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128], ids=str)
+def test_point_to_point_ring(comm, dtype):
+    """Send/Recv, Isend/Irecv, Ssend and Sendrecv around a ring, every layout."""
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    layouts = ["contiguous", "strided", "offset"]
+    if dtype is not torch.bfloat16:
+        layouts += ["numpy", "numpy-reversed"]
+    for layout in layouts:
+        mine = _data(comm.rank, 5, dtype, seed=7)
+        expect = to_numpy(_data(left, 5, dtype, seed=7))
+        send, _ = make_buffer(mine, layout)
+        recv, rbase = _zeros(5, dtype, layout)
+        req = comm.Irecv(recv, source=left, tag=3)
+        comm.Send(send, dest=right, tag=3)
+        status = MPI.Status()
+        req.Wait(status)
+        assert status.Get_source() == left
+        np.testing.assert_array_equal(read_back(recv), expect, err_msg=layout)
+        assert gaps_intact(recv, rbase)
+        recv, _ = _zeros(5, dtype, layout)
+        sreq = comm.Isend(send, dest=right, tag=4)
+        comm.Recv(recv, source=left, tag=4)
+        sreq.wait()
+        np.testing.assert_array_equal(read_back(recv), expect)
+        recv, _ = _zeros(5, dtype, layout)
+        comm.Sendrecv(send, right, 5, recv, left, 5)
+        np.testing.assert_array_equal(read_back(recv), expect)
+        recv, _ = _zeros(5, dtype, layout)
+        rreq = comm.Irecv(recv, source=left, tag=6)
+        comm.Ssend(send, dest=right, tag=6)
+        rreq.Wait()
+        np.testing.assert_array_equal(read_back(recv), expect)
+
+
+def test_empty_buffers_and_fewer_elements_than_ranks(comm):
+    """Zero-size buffers and buffers smaller than the communicator work in every collective."""
+    e = torch.empty(0)
+    comm.Allreduce(hl.IN_PLACE, e)
+    comm.Bcast(e, root=0)
+    out = torch.empty(0)
+    comm.Allgather(e, out)
+    one = torch.tensor([float(comm.rank)], dtype=torch.bfloat16)
+    comm.Allreduce(hl.IN_PLACE, one)
+    assert one.item() == sum(range(comm.size))
+    small = torch.full((1,), 2.0, dtype=torch.float16)
+    part = torch.empty(1 if comm.rank == 0 else 0, dtype=torch.float16)
+    comm.Reduce_scatter(small, part, None, MPI.SUM)
+    if comm.rank == 0:
+        assert part.item() == 2.0 * comm.size
+
+
+def test_barrier_and_ibarrier(comm):
+    comm.Barrier()
+    req = comm.Ibarrier()
+    req.Wait()
+    assert req.done

@@ -1,0 +1,104 @@
+"""Bad input: a clear TypeError / ValueError naming the argument, on every rank, nothing sent."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import heatlike as hl
+
+pytestmark = pytest.mark.mpi
+
+
+def _still_in_step(comm):
+    """Nothing was sent by the failed call: the next collective matches on every rank and no
+    stray point-to-point message is waiting."""
+    v = torch.tensor([float(comm.rank + 1)])
+    comm.Allreduce(hl.IN_PLACE, v)
+    assert v.item() == sum(range(1, comm.size + 1))
+    assert not comm.handle.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    comm.Barrier()
+
+
+def _cases(comm):
+    size = comm.size
+    f4 = torch.zeros(8)
+    ro = np.zeros(4)
+    ro.setflags(write=False)
+    return [
+        # (call, exception, words the message must contain)
+        (lambda: comm.Allreduce([1.0, 2.0], torch.zeros(2)), TypeError, "sendbuf"),
+        (lambda: comm.Allreduce(torch.zeros(2), "out"), TypeError, "recvbuf"),
+        (lambda: comm.Allreduce(torch.zeros(2), None), TypeError, "recvbuf"),
+        (lambda: comm.Bcast(3.0, root=0), TypeError, "buf"),
+        (lambda: comm.Allreduce(np.array(["a", "b"]), np.zeros(2)), TypeError, "sendbuf"),
+        (lambda: comm.Allreduce(np.zeros(2, dtype=object), np.zeros(2)), TypeError, "sendbuf"),
+        (lambda: comm.Allreduce(np.zeros(2, dtype=">f4"), np.zeros(2, dtype=">f4")),
+         TypeError, "recvbuf"),
+        (lambda: comm.Allreduce(torch.zeros(3), torch.zeros(3, dtype=torch.float64)),
+         TypeError, "dtype"),
+        (lambda: comm.Allreduce(torch.zeros(3), torch.zeros(4)), ValueError, "recvbuf"),
+        (lambda: comm.Iallreduce(torch.zeros(3), torch.zeros(4)), ValueError, "recvbuf"),
+        (lambda: comm.Allreduce(torch.zeros(3), torch.zeros(3), "sum"), TypeError, "MPI.Op"),
+        (lambda: comm.Allgather(torch.zeros(2), torch.zeros(2 * size + 1)), ValueError,
+         "recvbuf"),
+        (lambda: comm.Alltoall(torch.zeros(size), torch.zeros(2 * size)), ValueError, "recvbuf"),
+        (lambda: comm.Gather(torch.zeros(2), torch.zeros(2 * size + 1), root=0)
+         if comm.rank == 0 else comm.Gather(torch.zeros(2), None, root=99), ValueError, "root"
+         if comm.rank else "recvbuf"),
+        (lambda: comm.Scatter(torch.zeros(3), torch.zeros(1), root=size), ValueError, "root"),
+        (lambda: comm.Bcast(torch.zeros(1), root=-1), ValueError, "root"),
+        (lambda: comm.Bcast(torch.zeros(1), root=0.0), TypeError, "root"),
+        (lambda: comm.Send(torch.zeros(1), dest=size), ValueError, "dest"),
+        (lambda: comm.Isend(torch.zeros(1), dest="1"), TypeError, "dest"),
+        (lambda: comm.Recv(torch.zeros(1), source=size + 3), ValueError, "source"),
+        (lambda: comm.Allgatherv(torch.zeros(1), (torch.zeros(size), [1] * (size + 1))),
+         ValueError, "counts"),
+        (lambda: comm.Allgatherv(torch.zeros(1), (torch.zeros(size), [1] * size, [5] * size)),
+         ValueError, "does not fit"),
+        (lambda: comm.Allgatherv(torch.zeros(1), (torch.zeros(size), [-1] * size)), ValueError,
+         "block"),
+        (lambda: comm.Allgatherv(torch.zeros(2), (torch.zeros(size), [1] * size)), ValueError,
+         "sendbuf"),
+        (lambda: comm.Allgatherv(torch.zeros(1), torch.zeros(size)), TypeError, "counts"),
+        (lambda: comm.Alltoallv((torch.zeros(size), [1.5] * size), (torch.zeros(size),
+                                                                      [1] * size)),
+         TypeError, "integers"),
+        (lambda: comm.Reduce(hl.IN_PLACE, torch.zeros(1), root=0) if comm.rank
+         else comm.Reduce(hl.IN_PLACE, torch.zeros(1), root=size), ValueError,
+         "root" if comm.rank == 0 else "IN_PLACE"),
+        (lambda: comm.Reduce_scatter(torch.zeros(size + 1), torch.zeros(1), [1] * size),
+         ValueError, "sum"),
+        *([(lambda: comm.Alltoall(torch.zeros(size + 1), torch.zeros(size + 1)), ValueError,
+            "multiple"),
+           (lambda: comm.Reduce_scatter_block(torch.zeros(size + 1), torch.zeros(1)),
+            ValueError, "multiple")] if size > 1 else []),
+        (lambda: comm.Allreduce(f4[:4], f4[2:6]), ValueError, "overlap"),
+        (lambda: comm.Allreduce(np.zeros(4), ro), ValueError, "read-only"),
+        (lambda: comm.Allreduce(torch.zeros(4), torch.zeros(1).expand(4)), ValueError,
+         "overlapping"),
+        (lambda: comm.Bcast(torch.zeros(1).expand(4), root=0 if comm.rank else 1 % size)
+         if size > 1 else comm.Recv(torch.zeros(1).expand(2), 0), ValueError, "overlapping"),
+        (lambda: comm.Free(), ValueError, "not created by heatlike"),
+        (lambda: comm.Create_group([0, 0]), ValueError, "duplicates"),
+        (lambda: comm.Create_group([size]), ValueError, "ranks entry"),
+    ]
+
+
+def test_bad_input_table(comm):
+    for i, (call, exc, words) in enumerate(_cases(comm)):
+        with pytest.raises(exc) as info:
+            call()
+        assert words.lower() in str(info.value).lower(), (i, str(info.value))
+        _still_in_step(comm)
+
+
+def test_send_error_sends_nothing(comm):
+    """A rejected send leaves no message behind: the receiver's probe finds nothing."""
+    with pytest.raises(TypeError):
+        comm.Send([1, 2, 3], dest=(comm.rank + 1) % comm.size, tag=1)
+    with pytest.raises(TypeError):
+        comm.Isend(torch.zeros(2), dest=(comm.rank + 1) % comm.size, tag=(1,))
+    comm.Barrier()
+    assert not comm.handle.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    comm.Barrier()

@@ -1,0 +1,119 @@
+"""float16 / bfloat16 reductions: numeric results, float32 accumulation, both routes."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import heatlike as hl
+from heatlike.core import _dtypes
+from heatlike.core._halfreduce import ALLTOALL_MIN_ELEMENTS
+
+pytestmark = pytest.mark.mpi
+HALF = [torch.bfloat16, torch.float16]
+SIZES = {"small": 1001, "large": ALLTOALL_MIN_ELEMENTS + 7}  # the two routes, uneven chunks
+
+
+def _values(rank, n, seed=0):
+    """float32 values exactly representable in bfloat16 and float16."""
+    rng = np.random.default_rng([seed, rank, n])
+    return torch.from_numpy(rng.integers(-64, 64, n) / 8.0).float()
+
+
+def _exact_sum(n, size, dtype, seed=0):
+    total = sum(_values(r, n, seed).double() for r in range(size))
+    return total.to(dtype)  # one rounding of the exact sum
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_heat_bug_half_values_are_summed_as_numbers(comm, dtype):
+    """Heat reduced half types as INT16 bit patterns: 1.5 + 1.5 gave inf."""
+    x = torch.full((8,), 1.5, dtype=dtype)
+    y = torch.empty_like(x)
+    comm.Allreduce(x, y, MPI.SUM)
+    assert torch.equal(y, torch.full((8,), 1.5 * comm.size, dtype=dtype)), y
+
+
+@pytest.mark.parametrize("route", SIZES, ids=str)
+def test_bfloat16_sum_accumulates_in_float32(comm, route):
+    """256 + 1 + 1 + 1 in bfloat16: pairwise rounding gives 256, one rounding of the float32 sum
+    gives 260 (at 4 ranks; the reference is computed for every size)."""
+    n = SIZES[route]
+    x = torch.full((n,), 1.0 if comm.rank else 256.0, dtype=torch.bfloat16)
+    comm.Allreduce(hl.IN_PLACE, x, MPI.SUM)
+    expected = torch.tensor(256.0 + comm.size - 1).to(torch.bfloat16)
+    assert (x == expected).all(), (x[:4], expected)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("route", SIZES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_half_allreduce_reduce_reduce_scatter(comm, dtype, route, layout):
+    """Every half reduction equals one rounding of the exact sum, blocking and non-blocking."""
+    n = SIZES[route]
+    expected = _exact_sum(n, comm.size, dtype)
+    mine = _values(comm.rank, n).to(dtype)
+
+    def buffer(values):
+        if layout == "contiguous":
+            return values.clone()
+        base = torch.zeros(2 * values.numel(), dtype=dtype)
+        base[::2] = values
+        return base[::2]
+
+    out = buffer(torch.zeros(n, dtype=dtype))
+    comm.Allreduce(buffer(mine), out)
+    assert torch.equal(out, expected)
+    out = buffer(torch.zeros(n, dtype=dtype))
+    comm.Iallreduce(buffer(mine), out).wait()
+    assert torch.equal(out, expected)
+    inplace = buffer(mine)
+    req = comm.Iallreduce(hl.IN_PLACE, inplace)
+    while not req.Test():
+        pass
+    assert torch.equal(inplace, expected)
+    for root in range(comm.size):
+        out = buffer(torch.zeros(n, dtype=dtype)) if comm.rank == root else None
+        comm.Reduce(buffer(mine), out, MPI.SUM, root=root)
+        if comm.rank == root:
+            assert torch.equal(out, expected)
+    counts = hl.MPI_WORLD.counts_displs(n)[0]
+    start = sum(counts[: comm.rank])
+    part = buffer(torch.zeros(counts[comm.rank], dtype=dtype))
+    comm.Reduce_scatter(buffer(mine), part, counts, MPI.SUM)
+    assert torch.equal(part, expected[start:start + counts[comm.rank]])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("route", SIZES, ids=str)
+def test_half_min_max_prod(comm, dtype, route):
+    n = SIZES[route]
+    rows = [_values(r, n, seed=1).to(dtype) for r in range(comm.size)]
+    stacked = torch.stack([r.double() for r in rows])
+    for op, ref in ((MPI.MIN, stacked.amin(0)), (MPI.MAX, stacked.amax(0)),
+                    (MPI.PROD, stacked.prod(0))):
+        out = torch.empty(n, dtype=dtype)
+        comm.Allreduce(rows[comm.rank], out, op)
+        assert torch.equal(out, ref.to(dtype)), op
+
+
+def test_native_half_datatypes_are_used_when_defined():
+    """Transfers use MPI.FLOAT16_T / MPI.BFLOAT16_T when the library defines them, else a
+    2-byte integer type (exact for moving data)."""
+    for dtype, name in ((torch.float16, "FLOAT16_T"), (torch.bfloat16, "BFLOAT16_T")):
+        native = getattr(MPI, name, MPI.DATATYPE_NULL)
+        expected = MPI.UINT16_T if native == MPI.DATATYPE_NULL else native
+        assert _dtypes.mpi_type(dtype) == expected
+        assert _dtypes.mpi_type(dtype).Get_size() == 2
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_scan_exscan(comm, dtype):
+    mine = torch.full((5,), 0.5 * (comm.rank + 1), dtype=dtype)
+    out = torch.zeros(5, dtype=dtype)
+    comm.Scan(mine, out, MPI.SUM)
+    assert torch.equal(out, torch.full((5,), 0.5 * sum(range(1, comm.rank + 2)), dtype=dtype))
+    comm.Exscan(hl.IN_PLACE, mine, MPI.SUM)
+    if comm.rank:
+        assert torch.equal(mine, torch.full((5,), 0.5 * sum(range(1, comm.rank + 1)),
+                                            dtype=dtype))

@@ -1,0 +1,167 @@
+"""Communicator management, and no leaked MPI communicators or datatypes.
+
+Leaks are counted in the MPI library itself: it reuses the slots of freed objects, so the handles
+of a batch of 32 new objects are the same before and after a loop that frees everything it
+creates (give or take the few slots the loop's peak concurrency added), while every object the
+loop leaked occupies one of those slots and pushes a new handle into the batch.
+"""
+
+import gc
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import heatlike as hl
+from heatlike.core._buffers import force_staging
+from heatlike.core.topology import Topology
+
+pytestmark = pytest.mark.mpi
+
+CALLS = 10_000
+
+
+BATCH, SLACK = 32, 4
+
+
+def _datatype_slots() -> set[int]:
+    types = [MPI.INT.Create_contiguous(3).Commit() for _ in range(BATCH)]
+    handles = {t.py2f() for t in types}
+    for t in types:
+        t.Free()
+    return handles
+
+
+def _comm_slots() -> set[int]:
+    comms = [MPI.COMM_WORLD.Dup() for _ in range(BATCH)]
+    handles = {c.py2f() for c in comms}
+    for c in comms:
+        c.Free()
+    return handles
+
+
+def _assert_no_leak(before: set[int], after: set[int], what: str) -> None:
+    moved = len(after - before)
+    assert moved <= SLACK, f"{moved} of {BATCH} {what} slots are taken after the loop: a leak"
+
+
+@pytest.mark.mpi_timeout(300)
+def test_no_datatype_or_communicator_leak_in_data_paths(comm):
+    """10,000 operations over strided, staged, half and v-collective paths create no MPI object
+    that outlives them."""
+    size = comm.size
+    base = torch.zeros(2 * size, 3)
+    strided = base[:, 1]
+    bf = torch.ones(5, dtype=torch.bfloat16)
+    counts = [1] * size
+    out = torch.zeros(size)
+    ops = [
+        lambda: comm.Allreduce(hl.IN_PLACE, strided),
+        lambda: comm.Iallreduce(torch.ones(3), torch.zeros(6)[::2]).wait(),
+        lambda: comm.Allreduce(hl.IN_PLACE, bf),
+        lambda: comm.Allgather(torch.ones(2), base[:, 0]),
+        lambda: comm.Alltoallv((torch.ones(size), counts), (out, counts)),
+        lambda: comm.Bcast(base.t()[2], root=0),
+        lambda: comm.Reduce_scatter(torch.ones(size), out[:1], counts),
+    ]
+    for op in ops:  # the library allocates some objects once, on first use of a call
+        op()
+    comm.Barrier()
+    dt0, comm0 = _datatype_slots(), _comm_slots()
+    for i in range(CALLS):
+        if i % 3 == 0:
+            with force_staging():
+                ops[i % len(ops)]()
+        else:
+            ops[i % len(ops)]()
+    _assert_no_leak(dt0, _datatype_slots(), "datatype")
+    _assert_no_leak(comm0, _comm_slots(), "communicator")
+
+
+@pytest.mark.mpi_timeout(300)
+def test_no_communicator_leak_in_comm_management(comm):
+    """10,000 communicator creations (Split, Split_type, Dup, Create_group, topologies; freed
+    explicitly, by ``with``, or by dropping the wrapper) leave no communicator behind."""
+    everyone = list(range(comm.size))
+
+    def create(i):
+        kind = i % 6
+        if kind == 0:
+            comm.Split(comm.rank % 2, comm.rank).Free()
+        elif kind == 1:
+            with comm.Dup() as dup:
+                assert dup.size == comm.size
+        elif kind == 2:
+            comm.Split_type()  # dropped at once: freed by its finalizer
+        elif kind == 3:
+            sub = comm.Create_group(everyone[::-1])
+            assert sub.rank == comm.size - 1 - comm.rank
+            sub.Free()
+            sub.Free()  # idempotent
+        elif kind == 4:
+            assert comm.Split(MPI.UNDEFINED) is None
+        elif i % 60 == 5:
+            Topology(comm).free()
+
+    for i in range(6):  # the library allocates some objects once, on first use of a call
+        create(i)
+    comm.Barrier()
+    comm0 = _comm_slots()
+    for i in range(CALLS):
+        create(i)
+    gc.collect()
+    _assert_no_leak(comm0, _comm_slots(), "communicator")
+
+
+def test_split_create_group_and_forwarding(comm):
+    size, rank = comm.size, comm.rank
+    with comm.Split(color=rank % 2, key=-rank) as sub:
+        members = [r for r in range(size) if r % 2 == rank % 2]
+        assert sub.size == len(members)
+        assert sub.rank == sorted(members, reverse=True).index(rank)
+        x = torch.tensor([float(rank)])
+        sub.Allreduce(hl.IN_PLACE, x)
+        assert x.item() == sum(members)
+    assert sub.freed
+    evens = list(range(0, size, 2))
+    group = comm.Create_group(evens)
+    if rank % 2:
+        assert group is None
+    else:
+        assert group.size == len(evens) and group.rank == evens.index(rank)
+        assert group.allreduce(rank) == sum(evens)  # lower-case methods forward to mpi4py
+        group.Free()
+    assert comm.allgather(rank) == list(range(size))
+    assert comm.Get_size() == size
+
+
+def test_default_communicator_helpers(comm):
+    assert hl.get_comm() is hl.MPI_WORLD
+    try:
+        hl.use_comm(hl.MPI_SELF)
+        assert hl.get_comm() is hl.MPI_SELF
+        assert hl.core.sanitize_comm(None) is hl.MPI_SELF
+    finally:
+        hl.use_comm(None)
+    assert hl.get_comm() is hl.MPI_WORLD
+    wrapped = hl.core.sanitize_comm(MPI.COMM_WORLD)
+    assert wrapped.size == comm.size and wrapped.handle is MPI.COMM_WORLD
+    with pytest.raises(TypeError):
+        hl.core.sanitize_comm("world")
+    assert hl.MPI_SELF.size == 1 and not hl.MPI_SELF.is_distributed()
+
+
+def test_chunk_matches_heat_convention(comm):
+    """The first n % P ranks hold one extra row (Heat's chunk)."""
+    shape = (10, 3)
+    offsets, rows = [], []
+    for r in range(comm.size):
+        off, lshape, slices = comm.chunk(shape, 0, rank=r)
+        offsets.append(off)
+        rows.append(lshape[0])
+        assert lshape[1] == 3 and slices[0] == slice(off, off + lshape[0])
+    base, extra = divmod(10, comm.size)
+    assert rows == [base + (r < extra) for r in range(comm.size)]
+    assert offsets == [sum(rows[:r]) for r in range(comm.size)]
+    assert comm.chunk(shape, None) == (0, shape, (slice(0, 10), slice(0, 3)))
+    assert comm.counts_displs(10) == (rows, offsets)

@@ -1,0 +1,90 @@
+"""CUDA-aware detection everywhere; CUDA buffer paths where a GPU is present (skipped otherwise)."""
+
+import os
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import heatlike as hl
+from heatlike.core import cuda_aware
+
+pytestmark = pytest.mark.mpi
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def test_detection_asks_the_library_and_honours_the_override(monkeypatch):
+    answer = cuda_aware.query_library()
+    assert answer in (True, False, None)
+    monkeypatch.delenv("HEATLIKE_CUDA_AWARE_MPI", raising=False)
+    assert cuda_aware.refresh() is bool(answer)
+    monkeypatch.setenv("HEATLIKE_CUDA_AWARE_MPI", "1")
+    assert cuda_aware.refresh() is True
+    monkeypatch.setenv("HEATLIKE_CUDA_AWARE_MPI", "0")
+    assert cuda_aware.refresh() is False
+    monkeypatch.setenv("HEATLIKE_CUDA_AWARE_MPI", "maybe")
+    with pytest.raises(ValueError, match="HEATLIKE_CUDA_AWARE_MPI"):
+        cuda_aware.refresh()
+    monkeypatch.delenv("HEATLIKE_CUDA_AWARE_MPI")
+    cuda_aware.refresh()
+
+
+def test_loaded_mpi_library_is_found():
+    """The ctypes probe looks at the libmpi mpi4py actually loaded."""
+    libs = cuda_aware._loaded_mpi_libraries()
+    assert any("libmpi" in os.path.basename(p) for p in libs), libs
+
+
+def _device(comm):
+    return torch.device("cuda", comm.rank % torch.cuda.device_count())
+
+
+@needs_cuda
+@pytest.mark.parametrize("aware", ["0", "library"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_collectives(comm, monkeypatch, aware, dtype):
+    """CUDA tensors (contiguous and strided) through host staging (HEATLIKE_CUDA_AWARE_MPI=0) and
+    through whatever the library supports; every completion path copies back."""
+    if aware == "0":
+        monkeypatch.setenv("HEATLIKE_CUDA_AWARE_MPI", "0")
+    cuda_aware.refresh()
+    try:
+        dev = _device(comm)
+        for n in (5, 40_000):
+            x = torch.full((n,), float(comm.rank + 1), dtype=dtype, device=dev)
+            y = torch.empty_like(x)
+            comm.Allreduce(x, y)
+            assert (y == sum(range(1, comm.size + 1))).all()
+            base = torch.zeros(2 * n, dtype=dtype, device=dev)
+            view = base[::2]
+            view.fill_(1.0)
+            comm.Iallreduce(hl.IN_PLACE, view).wait()
+            assert (view == comm.size).all() and (base[1::2] == 0).all()
+            req = comm.Iallreduce(x, y, MPI.MAX)
+            while not req.test():
+                pass
+            assert (y == comm.size).all()
+        g = torch.empty(comm.size * 3, dtype=dtype, device=dev)
+        comm.Allgather(torch.full((3,), float(comm.rank), dtype=dtype, device=dev), g)
+        expected = torch.arange(comm.size, device=dev).repeat_interleave(3).to(dtype)
+        assert torch.equal(g, expected)
+        b = torch.full((4,), 3.0 if comm.rank == 0 else 0.0, dtype=dtype, device=dev)
+        hl.core.wait_all([comm.Ibcast(b, root=0)])
+        assert (b == 3.0).all()
+    finally:
+        monkeypatch.delenv("HEATLIKE_CUDA_AWARE_MPI", raising=False)
+        cuda_aware.refresh()
+
+
+@needs_cuda
+def test_cupy_arrays(comm):
+    cupy = pytest.importorskip("cupy")
+    with cupy.cuda.Device(comm.rank % torch.cuda.device_count()):
+        x = cupy.full(6, comm.rank + 1, dtype=cupy.float32)
+        y = cupy.zeros(6, dtype=cupy.float32)
+        comm.Allreduce(x, y)
+        assert float(y[0]) == sum(range(1, comm.size + 1))
+        z = cupy.zeros(12, dtype=cupy.float32)[::2]
+        comm.Allreduce(x, z)
+        assert bool((z == sum(range(1, comm.size + 1))).all())
