@@ -249,3 +249,23 @@ def test_barrier_and_ibarrier(comm):
     req = comm.Ibarrier()
     req.Wait()
     assert req.done
+
+
+def test_contiguous_buffers_are_handed_over_not_copied():
+    """Contiguous CPU tensors (with a storage offset too) and numpy arrays reach MPI at their own
+    address; only non-contiguous ones get a temporary."""
+    from heatlike.core import _buffers
+
+    base = torch.zeros(10)
+    for t in (torch.ones(5), base[3:8]):
+        assert _buffers.readable(t) is t
+        assert _buffers.writable(t)[0] is t
+        mem, n, _ = _buffers.direct(t, True)
+        assert mem.address == t.data_ptr() and n == t.numel()
+    a = np.ones(4)
+    mem, _, _ = _buffers.direct(a, True)
+    assert mem.address == a.ctypes.data
+    view, _ = _buffers.as_tensor(a, "buf")
+    assert view.data_ptr() == a.ctypes.data
+    strided = base[::2]
+    assert _buffers.readable(strided) is not strided and _buffers.direct(strided, False) is None
