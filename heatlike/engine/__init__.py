@@ -1,0 +1,8 @@
+"""The one communication engine every heatlike optimizer is built from: flat buffers and buckets,
+codecs (what goes on the wire), reducers (how ranks combine it), and the gradient synchronizer that
+runs them during the backward pass."""
+
+from .buckets import Bucket, comm_buffer, pack, plan_buckets, unpack  # noqa: F401
+from .codecs import Cast, Codec, Identity  # noqa: F401
+from .gradsync import GradientSync  # noqa: F401
+from .reducers import AllReduce, Reducer  # noqa: F401

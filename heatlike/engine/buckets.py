@@ -1,0 +1,141 @@
+"""Flat communication buffers: packing tensors, and gradient buckets.
+
+Every optimizer and wrapper in heatlike moves tensors through the helpers here; nothing else
+flattens or packs.
+
+* :func:`comm_buffer` allocates a flat tensor for communication. On the CPU it is backed by numpy
+  memory, which numpy advises the kernel to back with transparent huge pages; MPI's shared-memory
+  transport is about 20% faster on such memory than on torch's own allocations (see
+  ``python -m heatlike.bench comm``).
+* :func:`pack` / :func:`unpack` copy a list of tensors into / out of one flat buffer.
+* :func:`plan_buckets` groups parameters into :class:`Bucket` s: flat buffers of one dtype and
+  device, filled in the given order (backward order for gradients), capped at ``cap_bytes`` with
+  a smaller first bucket so communication starts early in the backward pass.
+
+A bucket's buffer holds the parameters' values followed by one *flag* per parameter. Gradient
+synchronization writes 1 into a parameter's flag when this rank has a gradient for it, so after a
+sum all-reduce the flag counts the ranks that used the parameter in this step: no extra
+collective is needed to tell unused parameters apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["comm_buffer", "pack", "unpack", "Bucket", "plan_buckets"]
+
+_NUMPY_STORAGE = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.bfloat16: np.uint16, torch.int64: np.int64, torch.int32: np.int32,
+    torch.uint8: np.uint8, torch.int8: np.int8, torch.bool: np.bool_,
+}
+
+
+def comm_buffer(numel: int, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """An uninitialized flat tensor of ``numel`` elements for communication.
+
+    CPU buffers live in numpy memory (huge pages for large buffers); other devices use torch's
+    allocator."""
+    device = torch.device(device)
+    storage = _NUMPY_STORAGE.get(dtype)
+    if device.type != "cpu" or storage is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    t = torch.from_numpy(np.empty(numel, dtype=storage))
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy ``tensors`` (one dtype and device) one after the other into a flat buffer."""
+    total = sum(t.numel() for t in tensors)
+    if out is None:
+        first = tensors[0]
+        out = comm_buffer(total, first.dtype, first.device)
+    elif out.numel() < total:
+        raise ValueError(f"pack: out has {out.numel()} elements, need {total}")
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        out[offset:offset + n].view(t.shape).copy_(t)
+        offset += n
+    return out
+
+
+def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (inverse of :func:`pack`)."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view(t.shape))
+        offset += n
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters communicated together through one flat buffer.
+
+    ``buffer[offsets[i]:offsets[i] + numel_i]`` holds parameter i (``views[i]`` has its shape);
+    ``flags[i]`` (``buffer[size + i]``) its flag.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    size: int
+    buffer: torch.Tensor
+    views: list[torch.Tensor] = field(default_factory=list)
+    flags: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.views = [self.buffer[o:o + p.numel()].view(p.shape)
+                      for o, p in zip(self.offsets, self.params)]
+        self.flags = self.buffer[self.size:]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """The parameter part of the buffer (without flags)."""
+        return self.buffer[: self.size]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
+                 first_cap_bytes: int | None = None, flags: bool = True) -> list[Bucket]:
+    """Group ``params`` into buckets in the given order.
+
+    A bucket holds parameters of one dtype and device and at most ``cap_bytes`` of them (a single
+    larger parameter gets a bucket of its own); the first bucket is capped at
+    ``first_cap_bytes``. Every rank calling this with the same parameter list gets the same plan.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    groups: list[list[torch.nn.Parameter]] = []
+    open_groups: dict[tuple, list] = {}  # (dtype, device) -> [params, bytes used, cap]
+    for p in params:
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        entry = open_groups.get(key)
+        if entry is None or (entry[0] and entry[1] + nbytes > entry[2]):
+            entry = [[], 0, first_cap if not groups else cap_bytes]
+            groups.append(entry[0])
+            open_groups[key] = entry
+        entry[0].append(p)
+        entry[1] += nbytes
+    buckets = []
+    for index, group in enumerate(groups):
+        offsets, size = [], 0
+        for p in group:
+            offsets.append(size)
+            size += p.numel()
+        first = group[0]
+        buffer = comm_buffer(size + (len(group) if flags else 0), first.dtype, first.device)
+        buffer.zero_()
+        buckets.append(Bucket(index, list(group), offsets, size, buffer))
+    return buckets

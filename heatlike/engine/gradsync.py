@@ -1,0 +1,251 @@
+"""Bucketed, overlapped gradient synchronization.
+
+:class:`GradientSync` averages the gradients of a list of parameters over the ranks of a
+communicator while the backward pass is still running (the idea of PyTorch DDP):
+
+1. The parameters are grouped into buckets in reverse registration order (roughly the order
+   backward produces their gradients), see :func:`~heatlike.engine.buckets.plan_buckets`. At the
+   start of the second cycle the buckets are rebuilt once in the order the gradients actually
+   arrived on rank 0 during the first (broadcast, so every rank builds the same plan), parameters
+   that got no gradient last: a parameter unused in most steps then no longer holds back the
+   buckets after it.
+2. A post-accumulate-grad hook on every parameter copies its gradient into its bucket and sets the
+   parameter's flag. When every parameter of bucket k has reported and buckets 0..k-1 have been
+   launched, bucket k is launched: codec ``encode`` then reducer ``start`` (a non-blocking
+   all-reduce). Launching strictly in bucket order keeps the sequence of collectives identical on
+   all ranks whatever order the hooks fire in.
+3. At the end of the backward pass (an autograd callback), every parameter that has not reported
+   is filled in: with its ``.grad`` if it has one (gradients accumulated under ``no_sync``),
+   else zeros and flag 0; the remaining buckets are launched. No rank waits for a bucket another
+   rank never sends.
+4. ``wait(bucket)`` completes a bucket's reduction (codec ``decode``, reducer ``finish``: the
+   division by P), ``unpack(bucket)`` writes the averages into ``.grad``. A parameter whose summed
+   flag is 0 was used on no rank; its ``.grad`` stays as it was (None), so the optimizer skips it
+   exactly as a single process would.
+
+Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch.autograd import Variable
+
+from ..core.communication import MPICommunication, Request, sanitize_comm
+from .buckets import Bucket, plan_buckets
+from .codecs import Codec, Identity
+from .reducers import AllReduce, Reducer
+
+__all__ = ["GradientSync"]
+
+MiB = 1 << 20
+
+
+class GradientSync:
+    """Average the gradients of ``params`` over ``comm``, bucket by bucket, during backward.
+
+    ``on_backward_end`` (optional) runs after the end-of-backward launch, e.g. to wait for the
+    results right away (blocking data parallelism).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter],
+                 comm: MPICommunication | None = None, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0, codec: Codec | None = None,
+                 reducer: Reducer | None = None,
+                 on_backward_end: Callable[[], None] | None = None) -> None:
+        self.comm = sanitize_comm(comm)
+        self.params = [p for p in params if p.requires_grad]
+        self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+        self._plan(list(reversed(self.params)))
+        self.codec = codec if codec is not None else Identity()
+        self.reducer = reducer if reducer is not None else AllReduce(self.comm)
+        self.on_backward_end = on_backward_end
+        self._cycles = 0
+        self._arrival: list[int] = []  # indices into self.params, in gradient arrival order
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._requests: dict[int, tuple[Request, torch.Tensor]] = {}
+        self._reduced: set[int] = set()
+        self._consumed: set[int] = set()
+        self.active = False
+        self.enabled = True
+        self.unsynced = False  # gradients were produced under no_sync since the last sync
+        self._callback_queued = False
+        self.seen_backward = False  # this rank ran a synchronizing backward since participate()
+        self.bytes_sent = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _plan(self, order: list[torch.nn.Parameter]) -> None:
+        self.buckets: list[Bucket] = plan_buckets(order, *self._caps)
+        self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self._marked = [[False] * len(b.params) for b in self.buckets]
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+
+    def _rebuild(self) -> None:
+        """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
+        observed gradient order."""
+        seen = set(self._arrival)
+        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order = self.comm.handle.bcast(order, root=0)
+        self._plan([self.params[i] for i in order])
+
+    # -- the cycle: begin, mark, launch, wait, unpack, end --------------------------------------
+
+    def _begin(self) -> None:
+        if self.active or not self.buckets:
+            return
+        self._cycles += 1
+        if self._cycles == 2:
+            self._rebuild()
+        self.active = True
+        self._callback_queued = False
+        for marks in self._marked:
+            marks[:] = [False] * len(marks)
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._requests.clear()
+        self._reduced.clear()
+        self._consumed.clear()
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            self.unsynced = True
+            return
+        self._begin()
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.seen_backward = True
+            Variable._execution_engine.queue_callback(self._backward_done)
+        b, i = self._where[id(p)]
+        if self._cycles == 1 and not self._marked[b][i]:
+            self._arrival.append(self._index[id(p)])
+        if self._marked[b][i]:
+            raise RuntimeError(
+                "a parameter received a second gradient before the previous ones were used: run "
+                "optimizer.step() between backward passes, or accumulate inside model.no_sync()")
+        self._mark(b, i, p.grad)
+        self._launch_ready()
+        self._progress()
+
+    def _mark(self, b: int, i: int, grad: torch.Tensor | None) -> None:
+        bucket = self.buckets[b]
+        if grad is None:
+            bucket.views[i].zero_()
+            bucket.flags[i] = 0
+        else:
+            bucket.views[i].copy_(grad)
+            bucket.flags[i] = 1
+        self._marked[b][i] = True
+        self._ready[b] += 1
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and \
+                self._ready[self._next] == len(self.buckets[self._next].params):
+            bucket = self.buckets[self._next]
+            self.reducer.prepare(bucket.buffer)
+            payload = self.codec.encode(bucket.buffer)
+            self._requests[bucket.index] = (self.reducer.start(payload), payload)
+            self.bytes_sent += payload.numel() * payload.element_size()
+            self._next += 1
+
+    def _progress(self) -> None:
+        for request, _ in self._requests.values():
+            request.Test()
+
+    def _backward_done(self) -> None:
+        self.launch_all()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
+    def launch_all(self) -> None:
+        """Fill in every parameter that has not reported and launch every bucket (collective:
+        all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
+        self._begin()
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                if not self._marked[b][i]:
+                    self._mark(b, i, p.grad)
+        self._launch_ready()
+        self.unsynced = False
+
+    def mark_unused(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Report ``params`` as getting no gradient in the coming backward pass (found by walking
+        the autograd graph after forward), so their buckets can launch without waiting for the
+        end of the backward pass."""
+        if not self.enabled:
+            return
+        self._begin()
+        for p in params:
+            b, i = self._where[id(p)]
+            if not self._marked[b][i]:
+                self._mark(b, i, p.grad)
+        self._launch_ready()
+
+    def participate(self) -> None:
+        """Called once per optimizer step on every rank: a rank that ran no synchronizing backward
+        since the last step (no data, a loss without parameters, only ``no_sync`` passes) launches
+        its buckets now, so ranks that did are not left waiting for it."""
+        if not self.seen_backward or self.unsynced:
+            self.launch_all()
+        self.seen_backward = False
+
+    @property
+    def launched(self) -> bool:
+        """Whether every bucket of the current cycle has been launched."""
+        return self.active and self._next == len(self.buckets)
+
+    def wait(self, b: int) -> None:
+        """Complete the reduction of bucket ``b`` (its buffer then holds the averages)."""
+        if b in self._reduced:
+            return
+        request, payload = self._requests[b]
+        request.Wait()
+        bucket = self.buckets[b]
+        self.codec.decode(payload, bucket.buffer)
+        self.reducer.finish(bucket.buffer)
+        self._reduced.add(b)
+
+    def unpack(self, b: int) -> list[torch.nn.Parameter]:
+        """Write bucket ``b``'s averages into ``.grad`` of the parameters some rank used; returns
+        those parameters."""
+        self.wait(b)
+        bucket = self.buckets[b]
+        used = []
+        with torch.no_grad():
+            for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+                if flag <= 0:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(view)
+                used.append(p)
+        self._consumed.add(b)
+        if len(self._consumed) == len(self.buckets):
+            self.active = False
+        return used
+
+    def synchronize(self) -> None:
+        """Launch what is left, wait for every bucket and write all averages into ``.grad``."""
+        if not self.active and not self.unsynced:
+            return
+        self.launch_all()
+        for b in range(len(self.buckets)):
+            if b not in self._consumed:
+                self.unpack(b)
+
+    def pending(self) -> list[int]:
+        """Buckets of the current cycle whose averages have not been written to ``.grad``."""
+        if not self.active:
+            return []
+        return [b for b in range(len(self.buckets)) if b not in self._consumed]
+
+    def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
+        """Indices of the buckets holding any of ``params`` (sorted)."""
+        return sorted({self._where[id(p)][0] for p in params if id(p) in self._where})
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

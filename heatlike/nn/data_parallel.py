@@ -1,0 +1,276 @@
+"""DataParallel: train one torch module on every rank as one model with the combined batch.
+
+Each rank runs the module on its own part of the batch; gradients are averaged over ranks during
+the backward pass by the engine's :class:`~heatlike.engine.GradientSync` (flat buckets, one
+non-blocking all-reduce per bucket, launched as soon as the bucket's gradients are ready). With
+per-rank batches of b samples on P ranks and a loss that averages over the batch, the averaged
+gradient is the gradient of the loss over the combined batch of P*b samples, so the parameters
+follow the single-process trajectory up to floating-point rounding.
+
+At construction the module is checked to be the same on every rank (names, shapes, dtypes of
+parameters and buffers; otherwise ValueError on every rank) and rank 0's parameters and buffers
+are broadcast to all ranks; the global random number generators are not touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+from mpi4py import MPI
+
+from ..core.agreement import raise_together
+from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
+from ..engine.buckets import pack, unpack
+from ..engine.codecs import Codec
+from ..engine.gradsync import GradientSync
+from ..optim.dp_optimizer import DataParallelOptimizer
+
+__all__ = ["DataParallel", "broadcast_module", "check_replicas"]
+
+_BUFFER_MODES = ("broadcast", "average", None)
+
+
+def _signature(module: torch.nn.Module) -> list[tuple]:
+    params = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+              for n, p in module.named_parameters()]
+    buffers = [("buffer", n, tuple(b.shape), str(b.dtype), False)
+               for n, b in module.named_buffers()]
+    return params + buffers
+
+
+def check_replicas(module: torch.nn.Module, comm: MPICommunication | None = None) -> None:
+    """Collective. Raise ValueError on every rank unless ``module`` has the same parameters and
+    buffers (names, shapes, dtypes, requires_grad) on every rank."""
+    comm = sanitize_comm(comm)
+    mine = _signature(module)
+    digest = hashlib.sha1(repr(mine).encode()).hexdigest()
+    digests = comm.handle.allgather(digest)
+    if len(set(digests)) == 1:
+        return
+    signatures = comm.handle.allgather(mine)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = signatures[0], signatures[other]
+    detail = f"rank 0 has {len(a)} parameters and buffers, rank {other} has {len(b)}"
+    for x, y in zip(a, b):
+        if x != y:
+            detail = (f"{x[0]} {x[1]!r} has shape {x[2]}, {x[3]}, requires_grad={x[4]} on "
+                      f"rank 0 but {y[0]} {y[1]!r} has shape {y[2]}, {y[3]}, "
+                      f"requires_grad={y[4]} on rank {other}")
+            break
+    raise ValueError(f"the module differs between ranks: {detail}")
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = None,
+                     root: int = 0, buffers_op: str = "broadcast") -> None:
+    """Collective. Make every rank's parameters and buffers equal to ``root``'s (one broadcast per
+    dtype); with ``buffers_op="average"``, floating-point buffers are averaged instead."""
+    comm = sanitize_comm(comm)
+    params = [p.data for p in module.parameters()]
+    floats = [b for b in module.buffers() if b.is_floating_point()]
+    others = [b for b in module.buffers() if not b.is_floating_point()]
+    to_broadcast = params + others + (floats if buffers_op == "broadcast" else [])
+    for tensors in _by_dtype(to_broadcast).values():
+        flat = pack(tensors)
+        comm.Bcast(flat, root=root)
+        unpack(flat, tensors)
+    if buffers_op == "average":
+        for tensors in _by_dtype(floats).values():
+            flat = pack(tensors)
+            comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+            flat.div_(comm.size)
+            unpack(flat, tensors)
+
+
+class DataParallel(torch.nn.Module):
+    """Data-parallel wrapper of ``module`` over ``comm``.
+
+    Parameters
+    ----------
+    module: the torch module, built the same way on every rank.
+    comm: the communicator (default ``MPI_WORLD``).
+    optimizer: a :class:`heatlike.optim.DataParallelOptimizer` over exactly the module's trainable
+        parameters; its ``blocking`` flag selects the mode. Without one, the averaged gradients are
+        in ``.grad`` at the end of every ``backward()`` for any optimizer to use.
+    bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB).
+    sync_buffers: before each training forward, ``"broadcast"`` rank 0's buffers (BatchNorm
+        statistics, DDP's behaviour), ``"average"`` them, or ``None`` to leave them local.
+    codec: what goes on the wire (default: float32 as is; ``heatlike.engine.Cast(torch.bfloat16)``
+        halves the bytes, averaged with float32 accumulation).
+    find_unused_parameters: after each training forward, walk the autograd graph from the output
+        and launch the buckets of parameters the loss cannot reach at once (DDP's option of the
+        same name). Correctness never needs it (unused parameters are handled at the end of
+        backward); it restores overlap when parameters go unused in some steps, for the cost of
+        the graph walk. Assumes one forward per backward.
+    """
+
+    def __init__(self, module: torch.nn.Module, comm: MPICommunication = MPI_WORLD,
+                 optimizer: DataParallelOptimizer | None = None, *,
+                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                 sync_buffers: str | None = "broadcast", codec: Codec | None = None,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__()
+        comm = sanitize_comm(comm)
+        error = None
+        if not isinstance(module, torch.nn.Module):
+            error = TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        elif optimizer is not None and not isinstance(optimizer, DataParallelOptimizer):
+            error = TypeError("optimizer must be a heatlike.optim.DataParallelOptimizer "
+                              f"(wrap your torch optimizer), got {type(optimizer).__name__}")
+        elif sync_buffers not in _BUFFER_MODES:
+            error = ValueError(f"sync_buffers must be one of {_BUFFER_MODES}, "
+                               f"got {sync_buffers!r}")
+        raise_together(error, comm)
+        check_replicas(module, comm)
+        if optimizer is not None:
+            raise_together(_ownership_error(module, optimizer), comm)
+        self.module = module
+        self.comm = comm
+        self.optimizer = optimizer
+        self.sync_buffers = sync_buffers
+        self.find_unused_parameters = find_unused_parameters
+        broadcast_module(module, comm)
+        self.grad_sync = GradientSync(
+            list(module.parameters()), comm, bucket_cap_mb, first_bucket_mb, codec=codec,
+            on_backward_end=self._backward_end)
+        if optimizer is not None:
+            optimizer._attach(self)
+        self._handles = [module.register_forward_pre_hook(self._before_forward),
+                         module.register_forward_hook(self._after_forward)]
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
+            if own and sub is not module:
+                self._handles.append(sub.register_forward_pre_hook(
+                    lambda _m, _args, own=own: self._before_layer(own)))
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def _backward_end(self) -> None:
+        if self.optimizer is None or self.optimizer.blocking:
+            self.grad_sync.synchronize()
+
+    def _before_forward(self, _module, _args) -> None:
+        own = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
+        if own:
+            self._before_layer(own)
+        if self.training and self.sync_buffers is not None and self.comm.size > 1:
+            self._sync_buffers()
+
+    def _before_layer(self, params: list[torch.nn.Parameter]) -> None:
+        if self.optimizer is not None and self.optimizer._pending:
+            self.optimizer.apply(self.grad_sync.buckets_of(params))
+
+    def _after_forward(self, _module, _args, output) -> None:
+        if self.optimizer is not None:
+            self.optimizer.flush()
+        if self.find_unused_parameters and self.training and torch.is_grad_enabled():
+            reached = _parameters_reached(output)
+            self.grad_sync.mark_unused(p for p in self.grad_sync.params if id(p) not in reached)
+
+    @torch.no_grad()
+    def _sync_buffers(self) -> None:
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if not buffers:
+            return
+        if self.sync_buffers == "broadcast":
+            for tensors in _by_dtype(buffers).values():
+                flat = pack(tensors)
+                self.comm.Bcast(flat, root=0)
+                unpack(flat, tensors)
+        else:
+            floats = [b for b in buffers if b.is_floating_point()]
+            for tensors in _by_dtype(floats).values():
+                flat = pack(tensors)
+                self.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+                flat.div_(self.comm.size)
+                unpack(flat, tensors)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes inside do not communicate. The next
+        backward outside (or ``step()``) averages everything accumulated, including parameters
+        used only in earlier micro-steps."""
+        old = self.grad_sync.enabled
+        self.grad_sync.enabled = False
+        try:
+            yield
+        finally:
+            self.grad_sync.enabled = old
+
+    def flush(self) -> None:
+        """Apply pending (non-blocking) parameter updates now."""
+        if self.optimizer is not None:
+            self.optimizer.flush()
+
+    def sync_gradients(self) -> None:
+        """Collective: average every outstanding gradient into ``.grad`` now (only needed without
+        an optimizer when a rank may have run no backward)."""
+        self.grad_sync.synchronize()
+
+    def train(self, mode: bool = True) -> DataParallel:
+        if not mode:
+            self.flush()
+        return super().train(mode)
+
+    def state_dict(self, *args, **kwargs):
+        self.flush()
+        return super().state_dict(*args, **kwargs)
+
+
+def _parameters_reached(output) -> set[int]:
+    """ids of the leaf tensors the autograd graph of ``output`` (tensors, nested in tuples, lists
+    and dicts) accumulates gradients into."""
+    stack, seen, reached = [], set(), set()
+    todo = [output]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                stack.append(item.grad_fn)
+            elif item.requires_grad:
+                reached.add(id(item))
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+    return reached
+
+
+def _ownership_error(module: torch.nn.Module,
+                     optimizer: DataParallelOptimizer) -> ValueError | None:
+    trainable = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
+    owned = {id(p) for p in optimizer.params_ref}
+    missing = [n for i, n in trainable.items() if i not in owned]
+    extra = len(owned - set(trainable))
+    if missing:
+        return ValueError(f"the optimizer does not own the module's trainable parameters "
+                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}: build the torch "
+                          "optimizer from module.parameters()")
+    if extra:
+        return ValueError(f"the optimizer holds {extra} parameter(s) that are not trainable "
+                          "parameters of the module")
+    return None

@@ -1,0 +1,358 @@
+"""DataParallel: P ranks with batch b follow one process with batch P*b (same data, same order).
+
+Every rank also runs the single-process reference on the combined batch (the models are tiny), so
+the comparison happens on every rank, after every step; parameters must also be bitwise equal
+across ranks.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import heatlike as hl
+from heatlike.nn import DataParallel
+from heatlike.optim import DataParallelOptimizer
+
+pytestmark = pytest.mark.mpi
+
+B = 4  # per-rank batch
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Net(nn.Module):
+    """An MLP with a frozen input layer, a layer used only for samples of class 3 (so only on
+    some ranks in some steps), and a layer never used."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.frozen = nn.Linear(6, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+        self.extra = nn.Linear(8, 4)
+        self.never = nn.Linear(3, 3)
+        for p in self.parameters():
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.frozen(x))
+        out = self.fc2(torch.relu(self.fc1(h)))
+        rare = y == 3
+        if bool(rare.any()):
+            out = out + rare.unsqueeze(1) * self.extra(h)
+        return out
+
+
+def _data(step: int, n: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    groups = [{"params": list(model.fc1.parameters()), "lr": 0.05},
+              {"params": [*model.fc2.parameters(), *model.extra.parameters(),
+                          *model.never.parameters()]}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01)
+    return torch.optim.Adam(groups, lr=0.01, weight_decay=0.01)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _same_on_all_ranks(comm, model) -> None:
+    mine = _flat(model)
+    everyone = torch.empty(comm.size * mine.numel())
+    comm.Allgather(mine, everyone)
+    for r, other in enumerate(everyone.view(comm.size, -1)):
+        assert torch.equal(other, mine), f"parameters differ between this rank and rank {r}"
+
+
+def _loss(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one-bucket", "many-buckets"])
+def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket_mb):
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    local = Net(seed=100 + r)  # different on every rank: DataParallel broadcasts rank 0's
+    if r == 0:
+        local.load_state_dict(reference.state_dict())
+    ref_opt = _optimizer(kind, reference)
+    rng_before = torch.get_rng_state()
+    dp_opt = DataParallelOptimizer(_optimizer(kind, local), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=bucket_mb,
+                         first_bucket_mb=bucket_mb)
+    assert torch.equal(torch.get_rng_state(), rng_before), "construction touched the RNG"
+    assert len(model.grad_sync.buckets) > (1 if bucket_mb < 1 else 0)
+    never_before = local.never.weight.detach().clone()
+    frozen_before = local.frozen.weight.detach().clone()
+    for step in range(4):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        mine = slice(r * B, (r + 1) * B)
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+        if not blocking:
+            assert dp_opt.update_next or not model.grad_sync.buckets
+            model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL,
+                                   msg=f"step {step}")
+        _same_on_all_ranks(comm, local)
+    assert torch.equal(local.never.weight, never_before), "an unused parameter was updated"
+    assert torch.equal(local.frozen.weight, frozen_before), "a frozen parameter was updated"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_deferred_update_happens_in_next_forward(comm, blocking):
+    """Non-blocking: parameters change only at the next forward (or flush); the result equals
+    blocking training, including the LR a scheduler changed in between."""
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer("sgd", reference)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    local = copy.deepcopy(reference)
+    opt = _optimizer("sgd", local)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    dp_opt = DataParallelOptimizer(opt, blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005)
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        for m, o, s, xs, ys in ((reference, ref_opt, ref_sched, x, y),
+                                (model, dp_opt, sched, x[mine], y[mine])):
+            o.zero_grad()
+            _loss(m(xs, ys), ys).backward()
+            before = _flat(local)
+            o.step()
+            s.step()
+            if m is model and not blocking:
+                assert torch.equal(_flat(local), before), "non-blocking step updated at once"
+    model.eval()  # applies the pending update
+    torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    _same_on_all_ranks(comm, local)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_gradient_accumulation_with_no_sync(comm, blocking):
+    """k micro-steps under no_sync plus one synchronizing backward equal one process
+    accumulating the same micro-batches; parameters used only in an early micro-step are synced."""
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer("adam", reference)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(_optimizer("adam", local), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005)
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(2):
+        micro = [_data(10 * step + k, P * B) for k in range(3)]
+        # only the first micro-batch has class-3 samples, so `extra` gets gradients only there
+        micro = [(x, y if k == 0 else y.clamp(max=2)) for k, (x, y) in enumerate(micro)]
+        ref_opt.zero_grad()
+        for x, y in micro:
+            _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        with model.no_sync():
+            for x, y in micro[:-1]:
+                _loss(model(x[mine], y[mine]), y[mine]).backward()
+        x, y = micro[-1]
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+        model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+        _same_on_all_ranks(comm, local)
+
+
+def test_without_optimizer_grads_are_averaged_after_backward(comm):
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    local = copy.deepcopy(reference)
+    model = DataParallel(local, comm)
+    x, y = _data(0, P * B)
+    _loss(reference(x, y), y).backward()
+    mine = slice(r * B, (r + 1) * B)
+    _loss(model(x[mine], y[mine]), y[mine]).backward()
+    for (name, p), q in zip(local.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_rank_without_backward_does_not_hang(comm, blocking):
+    """A rank that gets no data in a step (no backward at all) still takes part at step()."""
+    local = Net(seed=0)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005)
+    for step in range(3):
+        dp_opt.zero_grad()
+        if comm.rank != 1 or step == 1:
+            x, y = _data(step, B)
+            _loss(model(x, y), y).backward()
+        dp_opt.step()
+    model.flush()
+    _same_on_all_ranks(comm, local)
+
+
+def test_second_backward_without_step_is_an_error_in_nonblocking_mode(comm):
+    local = Net(seed=0)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=False)
+    model = DataParallel(local, comm, optimizer=dp_opt)
+    x, y = _data(0, B)
+    _loss(model(x, y), y).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        _loss(model(x, y), y).backward()
+    dp_opt.step()  # the first backward's reduction is still consumed normally
+    model.flush()
+    _same_on_all_ranks(comm, local)
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "average"])
+def test_buffers_are_synchronized(comm, mode):
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=0.0))
+    model = DataParallel(net, comm, sync_buffers=mode)
+    bn = net[1]
+    with torch.no_grad():
+        bn.running_mean.fill_(float(comm.rank))
+        bn.running_var.fill_(1.0 + comm.rank)
+    model(torch.randn(5, 3))  # momentum 0: the forward itself leaves the statistics alone
+    if mode == "broadcast":
+        expected_mean, expected_var = 0.0, 1.0
+    else:
+        expected_mean = sum(range(comm.size)) / comm.size
+        expected_var = 1.0 + expected_mean
+    assert torch.allclose(bn.running_mean, torch.full((4,), expected_mean))
+    assert torch.allclose(bn.running_var, torch.full((4,), expected_var))
+
+
+def test_bf16_codec_halves_bytes_and_stays_close(comm):
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer("sgd", reference)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=True)
+    model = DataParallel(local, comm, optimizer=dp_opt,
+                         codec=hl.engine.Cast(torch.bfloat16))
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+    torch.testing.assert_close(_flat(local), _flat(reference), rtol=2e-2, atol=2e-3)
+    _same_on_all_ranks(comm, local)
+    numel = sum(b.buffer.numel() for b in model.grad_sync.buckets)
+    assert model.grad_sync.bytes_sent == 3 * 2 * numel
+
+
+def test_bad_construction_fails_on_every_rank(comm):
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        DataParallelOptimizer("sgd")
+    with pytest.raises(TypeError, match="nn.Module"):
+        DataParallel("not a module", comm)
+    net = Net(seed=0)
+    other = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="does not own"):
+        DataParallel(net, comm, optimizer=DataParallelOptimizer(torch.optim.SGD(
+            other.parameters(), lr=0.1)))
+    with pytest.raises(TypeError, match="DataParallelOptimizer"):
+        DataParallel(net, comm, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="sync_buffers"):
+        DataParallel(net, comm, sync_buffers="sometimes")
+    if comm.size > 1:  # a module built differently on one rank
+        width = 5 if comm.rank == comm.size - 1 else 4
+        with pytest.raises(ValueError, match="differs between ranks"):
+            DataParallel(nn.Linear(3, width), comm)
+        extra = [nn.Linear(2, 2)] if comm.rank == 0 else []
+        with pytest.raises(ValueError, match="differs between ranks"):
+            DataParallel(nn.Sequential(nn.Linear(2, 2), *extra), comm)
+    with pytest.raises(RuntimeError, match="not attached"):
+        DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1)).step()
+
+
+def test_buckets_launch_during_backward(comm):
+    """After the first step the buckets follow the gradient arrival order, so all but the
+    bucket of the first layer are on the wire before backward ends."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                        nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, bucket_cap_mb=0.004, first_bucket_mb=0.001)
+    nb = len(model.grad_sync.buckets)
+    assert nb >= 3
+    seen = []  # buckets launched when the last gradient (first layer's weight) arrives
+    net[0].weight.register_post_accumulate_grad_hook(
+        lambda _p: seen.append(model.grad_sync._next))
+    for step in range(4):
+        x, y = _data(step, B)
+        opt.zero_grad()
+        _loss(model(torch.cat([x, x[:, :2]], 1)), y).backward()
+        opt.step()
+    assert all(n >= nb - 1 for n in seen[1:]), (seen, nb)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_find_unused_parameters(comm, blocking):
+    """Walking the graph launches the buckets of unused parameters early and changes no
+    result."""
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer("sgd", reference)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005,
+                         find_unused_parameters=True)
+    seen = []
+    local.fc1.weight.register_post_accumulate_grad_hook(
+        lambda _p: seen.append(model.grad_sync._next))
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(4):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+        model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    nb = len(model.grad_sync.buckets)
+    assert all(n >= nb - 1 for n in seen[1:]), (seen, nb)
+    _same_on_all_ranks(comm, local)
+
+
+def test_buckets_are_rebuilt_in_arrival_order(comm):
+    """A parameter that got no gradient in the first step moves to the last bucket, identically
+    on every rank."""
+    local = Net(seed=0)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=True)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005)
+    sync = model.grad_sync
+    assert local.never.weight in sync.buckets[0].params  # reverse registration order
+    for step in range(2):
+        x, y = _data(step, B)
+        dp_opt.zero_grad()
+        _loss(model(x, y), y).backward()
+        dp_opt.step()
+    assert local.never.weight in sync.buckets[-1].params
+    plan = [[id(p) for p in b.params] for b in sync.buckets]
+    names = {id(p): n for n, p in local.named_parameters()}
+    mine = [[names[i] for i in bucket] for bucket in plan]
+    assert comm.handle.allgather(mine) == [mine] * comm.size
