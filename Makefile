@@ -1,7 +1,7 @@
 # heatlike: `make demo` and `make test` work on a fresh clone; each sets up .venv first.
 #
 #   make setup   create .venv and install heatlike editable with the extras a local run needs
-#   make demo    run the main example under mpiexec on $(NP) ranks
+#   make demo    train the digits example with DataParallel under mpiexec on $(NP) ranks
 #   make test    lint, then the test suite under mpiexec at 1, 2, 3 and 4 ranks and on an
 #                emulated two-node topology (4 ranks, 2 per node)
 #   make bench   the communication benchmark on $(NP) ranks
@@ -34,7 +34,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
 	@touch $@
 
 demo: setup
-	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench comm --quick
+	$(MPIEXEC) -n $(NP) $(PY) -m heatlike examples/digits.py
 
 lint: setup
 	$(PY) -m ruff check heatlike tests examples

@@ -29,3 +29,15 @@ def test_communication_tour_runs_on_emulated_nodes():
 def test_batch_scripts_parse(script):
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["--non-blocking", "--blocking"])
+def test_digits_example_learns(mode):
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "heatlike",
+                           str(ROOT / "examples" / "digits.py"), "--epochs", "8", mode],
+                          capture_output=True, text=True, timeout=180, env=_clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    accuracy = float(out.split("test accuracy: ")[-1].split()[0])
+    assert accuracy >= 0.9, out
+    assert "epoch  8/8" in out, out

@@ -1,6 +1,7 @@
 """``python -m heatlike.bench SUITE [SUITE ...] [--quick] [--json PATH]`` under mpiexec / srun.
 
-Suites: comm (MPICommunication overhead and half-type all-reduce). ``all`` runs every suite.
+Suites: comm (MPICommunication overhead and half-type all-reduce), dp (DataParallel against
+PyTorch DDP). ``all`` runs every suite.
 Figures are medians over interleaved rounds, each round timed by its slowest rank.
 """
 
@@ -11,10 +12,10 @@ import sys
 
 from mpi4py import MPI
 
-from . import comm
+from . import comm, dp
 from ._common import Results
 
-SUITES = {"comm": comm.run}
+SUITES = {"comm": comm.run, "dp": dp.run}
 
 
 def main(argv: list[str] | None = None) -> int:

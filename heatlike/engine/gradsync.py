@@ -19,9 +19,15 @@ communicator while the backward pass is still running (the idea of PyTorch DDP):
    else zeros and flag 0; the remaining buckets are launched. No rank waits for a bucket another
    rank never sends.
 4. ``wait(bucket)`` completes a bucket's reduction (codec ``decode``, reducer ``finish``: the
-   division by P), ``unpack(bucket)`` writes the averages into ``.grad``. A parameter whose summed
-   flag is 0 was used on no rank; its ``.grad`` stays as it was (None), so the optimizer skips it
-   exactly as a single process would.
+   division by P), ``unpack(bucket)`` makes the averages the parameters' ``.grad``. A parameter
+   whose summed flag is 0 was used on no rank; its ``.grad`` stays as it was (None), so the
+   optimizer skips it exactly as a single process would.
+
+With ``grad_as_bucket_view`` (default) ``unpack`` sets ``.grad`` to the parameter's view of the
+bucket buffer instead of copying into it, and the next backward accumulates straight into the
+bucket, so the hook has nothing to copy either (DDP's ``gradient_as_bucket_view``). Whenever
+``.grad`` is some other tensor (``zero_grad(set_to_none=True)`` followed by a backward, or a
+gradient assigned by hand) the hook copies it, so results never depend on it.
 
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
 """
@@ -54,8 +60,10 @@ class GradientSync:
                  comm: MPICommunication | None = None, bucket_cap_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, codec: Codec | None = None,
                  reducer: Reducer | None = None,
-                 on_backward_end: Callable[[], None] | None = None) -> None:
+                 on_backward_end: Callable[[], None] | None = None,
+                 grad_as_bucket_view: bool = True) -> None:
         self.comm = sanitize_comm(comm)
+        self.grad_as_bucket_view = grad_as_bucket_view
         self.params = [p for p in params if p.requires_grad]
         self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
         self._plan(list(reversed(self.params)))
@@ -131,11 +139,13 @@ class GradientSync:
 
     def _mark(self, b: int, i: int, grad: torch.Tensor | None) -> None:
         bucket = self.buckets[b]
+        view = bucket.views[i]
         if grad is None:
-            bucket.views[i].zero_()
+            view.zero_()
             bucket.flags[i] = 0
         else:
-            bucket.views[i].copy_(grad)
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
             bucket.flags[i] = 1
         self._marked[b][i] = True
         self._ready[b] += 1
@@ -217,9 +227,14 @@ class GradientSync:
             for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
                 if flag <= 0:
                     continue
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(view)
+                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                    pass  # the gradient already lives in the bucket
+                elif self.grad_as_bucket_view and p.is_contiguous():
+                    p.grad = view
+                else:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.copy_(view)
                 used.append(p)
         self._consumed.add(b)
         if len(self._consumed) == len(self.buckets):

@@ -20,7 +20,8 @@ from types import TracebackType
 
 from mpi4py import MPI
 
-__all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script"]
+__all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script",
+           "configure_threads"]
 
 
 def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
@@ -73,3 +74,20 @@ def run_script(path: str, argv: list[str]) -> None:
     install_abort_handler()
     sys.argv = [path, *argv]
     runpy.run_path(path, run_name="__main__")
+
+
+def configure_threads(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
+    """Give each rank its share of this node's cores for torch's intra-op threads:
+    ``max(1, cpus // ranks on this node)`` (collective over ``comm``). Several ranks per node each
+    using every core oversubscribe the machine and slow everything down. Returns the count."""
+    import torch
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local = node.Get_size()
+    finally:
+        node.Free()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cpus or 1) // local)
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,243 @@
+"""Distributed data loading.
+
+The sampling rule (:class:`DistributedBatchSampler`): epoch e visits the N samples in the order of
+a permutation that depends only on (N, seed, e), never on the number of ranks. Each step takes
+the next *global batch* of P*b consecutive samples of that order and rank r takes rows
+[r*b, (r+1)*b) of it. So every rank runs the same number of steps, and the union of the ranks'
+batches at a step is exactly the batch a single process with batch size P*b would see: the
+property data-parallel training needs to reproduce the single-process trajectory. The last,
+incomplete global batch is dropped (``drop_last=True``) or completed by wrapping around to the
+start of the order (like ``torch.utils.data.DistributedSampler``).
+
+:class:`Dataset` holds samples either whole on every rank (tensors, numpy arrays, any torch
+``Dataset``) or distributed as DNDarrays split along axis 0. In the distributed case
+:class:`DataLoader` starts each epoch with one ``Alltoallv`` that brings every rank exactly the rows
+its batches of that epoch need (each row moves at most once), then serves batches locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from ..core.communication import MPICommunication, sanitize_comm
+
+__all__ = ["DistributedBatchSampler", "Dataset", "DataLoader"]
+
+
+class DistributedBatchSampler:
+    """Per-rank index batches of the global batches of a seeded permutation (module docstring).
+
+    Yields lists of ``batch_size`` global sample indices for this rank; ``len()`` is the number of
+    steps per epoch, equal on every rank. Call :meth:`set_epoch` before each epoch.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, comm: MPICommunication | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        self.comm = sanitize_comm(comm)
+        if not isinstance(num_samples, int) or num_samples <= 0:
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        global_batch = batch_size * self.comm.size
+        if drop_last and num_samples < global_batch:
+            raise ValueError(f"drop_last with {num_samples} samples and a global batch of "
+                             f"{global_batch} ({self.comm.size} ranks x {batch_size}) leaves "
+                             "no batch at all")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.comm.size
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.global_batch_size
+        return math.ceil(self.num_samples / self.global_batch_size)
+
+    def order(self, epoch: int | None = None) -> torch.Tensor:
+        """The epoch's visiting order of all samples (independent of the number of ranks)."""
+        epoch = self.epoch if epoch is None else epoch
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def rank_indices(self, rank: int, epoch: int | None = None) -> torch.Tensor:
+        """All indices ``rank`` visits in the epoch, batch after batch (len(self) * batch_size)."""
+        order = self.order(epoch)
+        steps, gb, b = len(self), self.global_batch_size, self.batch_size
+        needed = steps * gb
+        if needed > order.numel():  # wrap around to complete the last global batch
+            order = torch.cat([order] * math.ceil(needed / order.numel()))
+        batches = order[:needed].view(steps, self.comm.size, b)
+        return batches[:, rank].reshape(-1)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        mine = self.rank_indices(self.comm.rank)
+        for batch in mine.view(len(self), self.batch_size):
+            yield batch.tolist()
+
+
+def _is_dndarray(obj: object) -> bool:
+    return type(obj).__name__ == "DNDarray" and hasattr(obj, "larray")
+
+
+class Dataset(torch.utils.data.Dataset):
+    """Samples ``data[i]`` (and ``targets[i]``), optionally transformed.
+
+    ``data`` / ``targets`` are torch tensors or numpy arrays held whole on every rank, or DNDarrays
+    split along axis 0 (each rank holds its rows); ``transform`` / ``target_transform`` apply to
+    one sample. A distributed dataset is served through :class:`DataLoader`.
+    """
+
+    def __init__(self, data, targets=None, transform: Callable | None = None,
+                 target_transform: Callable | None = None) -> None:
+        self.distributed = _is_dndarray(data)
+        if targets is not None and _is_dndarray(targets) != self.distributed:
+            raise TypeError("data and targets must both be DNDarrays or both be local arrays")
+        if self.distributed:
+            for name, arr in (("data", data), ("targets", targets)):
+                if arr is not None and arr.split != 0:
+                    raise ValueError(f"{name} must be split along axis 0, got split={arr.split}")
+            if targets is not None and data.gshape[0] != targets.gshape[0]:
+                raise ValueError(f"data has {data.gshape[0]} samples, targets "
+                                 f"{targets.gshape[0]}")
+            if targets is not None and data.lshape_map[:, 0].tolist() != \
+                    targets.lshape_map[:, 0].tolist():
+                raise ValueError("data and targets must be distributed the same way")
+            self.comm = data.comm
+            self.num_samples = data.gshape[0]
+        else:
+            data = torch.as_tensor(data) if isinstance(data, np.ndarray) else data
+            targets = torch.as_tensor(targets) if isinstance(targets, np.ndarray) else targets
+            if targets is not None and len(data) != len(targets):
+                raise ValueError(f"data has {len(data)} samples, targets {len(targets)}")
+            self.num_samples = len(data)
+        self.data, self.targets = data, targets
+        self.transform, self.target_transform = transform, target_transform
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _item(self, x, y):
+        if self.transform is not None:
+            x = self.transform(x)
+        if y is None:
+            return x
+        if self.target_transform is not None:
+            y = self.target_transform(y)
+        return x, y
+
+    def __getitem__(self, index: int):
+        if self.distributed:
+            raise TypeError("a distributed Dataset is read through heatlike.utils.data.DataLoader")
+        return self._item(self.data[index], None if self.targets is None else self.targets[index])
+
+    def fetch(self, wanted: Sequence[torch.Tensor], comm: MPICommunication) -> tuple:
+        """Collective for distributed data: this rank's rows ``wanted[comm.rank]`` (global indices,
+        in that order) of data and targets, when rank r asks for ``wanted[r]``; one Alltoallv per
+        array."""
+        arrays = [self.data] + ([self.targets] if self.targets is not None else [])
+        return tuple(_fetch_rows(a, wanted, comm) for a in arrays)
+
+
+def _fetch_rows(array, wanted: Sequence[torch.Tensor], comm: MPICommunication) -> torch.Tensor:
+    """Rows ``wanted[comm.rank]`` of the split-0 DNDarray ``array`` on this rank, in that order,
+    when every rank asks for ``wanted[rank]``. Each row travels once, straight from its owner."""
+    local = array.larray
+    counts = [int(c) for c in array.lshape_map[:, 0].tolist()]
+    starts = np.cumsum([0] + counts[:-1])
+    row = tuple(local.shape[1:])
+    width = int(np.prod(row)) if row else 1
+    me = comm.rank
+    start, stop = int(starts[me]), int(starts[me]) + counts[me]
+    sends = []
+    for indices in wanted:
+        mask = (indices >= start) & (indices < stop)
+        sends.append(local[indices[mask] - start])
+    send = torch.cat(sends) if sends else local[:0]
+    owner = np.searchsorted(np.cumsum(counts), wanted[me].numpy(), side="right")
+    mine = torch.empty((len(wanted[me]), *row), dtype=local.dtype)
+    rcounts = [int((owner == s).sum()) for s in range(comm.size)]
+    recv = torch.empty((sum(rcounts), *row), dtype=local.dtype)
+    comm.Alltoallv((send.contiguous(), [s.shape[0] * width for s in sends]),
+                   (recv, [c * width for c in rcounts]))
+    offset = 0
+    for s in range(comm.size):
+        positions = torch.from_numpy(np.nonzero(owner == s)[0])
+        mine[positions] = recv[offset:offset + rcounts[s]]
+        offset += rcounts[s]
+    return mine
+
+
+class DataLoader:
+    """Batches of a :class:`Dataset` (or any torch dataset held on every rank) for this rank,
+    following :class:`DistributedBatchSampler`: same number of batches on every rank, reshuffled
+    every epoch from ``seed``. ``progress=True`` shows a tqdm bar on rank 0 only.
+
+    Iterating starts the next epoch (``set_epoch`` chooses one explicitly)."""
+
+    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, comm: MPICommunication | None = None,
+                 progress: bool = False, collate_fn: Callable | None = None) -> None:
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            dataset = Dataset(dataset)
+        self.dataset = dataset
+        distributed = isinstance(dataset, Dataset) and dataset.distributed
+        self.comm = sanitize_comm(dataset.comm if distributed else comm)
+        self.sampler = DistributedBatchSampler(len(dataset), batch_size, self.comm, shuffle,
+                                               seed, drop_last)
+        self.progress = progress
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration serves (advances after each complete pass)."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def _batches(self) -> Iterator:
+        ds = self.dataset
+        if not (isinstance(ds, Dataset) and ds.distributed):
+            yield from torch.utils.data.DataLoader(ds, batch_sampler=self.sampler,
+                                                   collate_fn=self.collate_fn)
+            return
+        wanted = [self.sampler.rank_indices(r) for r in range(self.comm.size)]
+        arrays = ds.fetch(wanted, self.comm)
+        b = self.sampler.batch_size
+        transformed = ds.transform is not None or ds.target_transform is not None
+        for step in range(len(self)):
+            rows = [a[step * b:(step + 1) * b] for a in arrays]
+            if transformed:
+                targets = rows[1] if len(rows) > 1 else [None] * b
+                collate = self.collate_fn or torch.utils.data.default_collate
+                yield collate([ds._item(x, y) for x, y in zip(rows[0], targets)])
+            else:
+                yield rows[0] if len(rows) == 1 else tuple(rows)
+
+    def __iter__(self) -> Iterator:
+        batches = self._batches()
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            batches = tqdm(batches, total=len(self), disable=self.comm.rank != 0,
+                           desc=f"epoch {self.sampler.epoch}", leave=False)
+        yield from batches
+        self.sampler.set_epoch(self.sampler.epoch + 1)
