@@ -54,10 +54,10 @@ def load_data(seed: int):
     return as_x(x_train), torch.tensor(y_train), as_x(x_test), torch.tensor(y_test)
 
 
-def build_model(seed: int) -> nn.Module:
+def build_model(seed: int, hidden: tuple[int, int] = (128, 64)) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
-                         nn.Linear(64, 10))
+    return nn.Sequential(nn.Linear(64, hidden[0]), nn.ReLU(), nn.Linear(*hidden), nn.ReLU(),
+                         nn.Linear(hidden[1], 10))
 
 
 @torch.no_grad()

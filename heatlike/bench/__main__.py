@@ -1,7 +1,8 @@
 """``python -m heatlike.bench SUITE [SUITE ...] [--quick] [--json PATH]`` under mpiexec / srun.
 
 Suites: comm (MPICommunication overhead and half-type all-reduce), dp (DataParallel against
-PyTorch DDP). ``all`` runs every suite.
+PyTorch DDP), daso (DASO against blocking DataParallel on two emulated nodes). ``all`` runs every
+suite.
 Figures are medians over interleaved rounds, each round timed by its slowest rank.
 """
 
@@ -12,10 +13,10 @@ import sys
 
 from mpi4py import MPI
 
-from . import comm, dp
+from . import comm, daso, dp
 from ._common import Results
 
-SUITES = {"comm": comm.run, "dp": dp.run}
+SUITES = {"comm": comm.run, "dp": dp.run, "daso": daso.run}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("suites", nargs="+", choices=[*SUITES, "all"])
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="write every measurement as JSON records")
+    p.add_argument("--slow-link", metavar="LATENCY_US:MBPS",
+                   help="daso: simulate a slower cross-node link (labelled in the output)")
     args = p.parse_args(argv)
     names = list(SUITES) if "all" in args.suites else list(dict.fromkeys(args.suites))
     results = Results()
     for name in names:
-        SUITES[name](results, quick=args.quick)
+        if name == "daso":
+            SUITES[name](results, quick=args.quick, slow_link=args.slow_link)
+        else:
+            SUITES[name](results, quick=args.quick)
     if args.json and MPI.COMM_WORLD.Get_rank() == 0:
         results.write_json(args.json)
         print(f"# wrote {len(results.records)} records to {args.json}")

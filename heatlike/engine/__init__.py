@@ -5,4 +5,5 @@ runs them during the backward pass."""
 from .buckets import Bucket, comm_buffer, pack, plan_buckets, unpack  # noqa: F401
 from .codecs import Cast, Codec, Identity  # noqa: F401
 from .gradsync import GradientSync  # noqa: F401
+from .links import SimulatedLink, SlowLinkAllReduce  # noqa: F401
 from .reducers import AllReduce, Reducer  # noqa: F401

@@ -1,3 +1,8 @@
 """Module wrappers for distributed training."""
 
-from .data_parallel import DataParallel, broadcast_module, check_replicas  # noqa: F401
+from .data_parallel import (  # noqa: F401
+    DataParallel,
+    DataParallelMultiGPU,
+    broadcast_module,
+    check_replicas,
+)

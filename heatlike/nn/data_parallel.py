@@ -26,9 +26,10 @@ from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.buckets import pack, unpack
 from ..engine.codecs import Codec
 from ..engine.gradsync import GradientSync
+from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
 
-__all__ = ["DataParallel", "broadcast_module", "check_replicas"]
+__all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_replicas"]
 
 _BUFFER_MODES = ("broadcast", "average", None)
 
@@ -232,6 +233,52 @@ class DataParallel(torch.nn.Module):
         return super().state_dict(*args, **kwargs)
 
 
+class DataParallelMultiGPU(torch.nn.Module):
+    """The module side of :class:`heatlike.optim.DASO` (Heat's name; any device, any rank
+    layout).
+
+    Broadcasts rank 0's parameters and buffers to every rank, averages gradients inside each node
+    (the topology's node communicator, the engine's bucketed GradientSync) on the batches DASO's
+    schedule asks for, and hands the module to the optimizer, which synchronizes parameters
+    between nodes.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: DASO,
+                 comm: MPICommunication | None = None, bucket_cap_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0) -> None:
+        super().__init__()
+        comm = sanitize_comm(comm if comm is not None else getattr(optimizer, "comm", None))
+        error = None
+        if not isinstance(module, torch.nn.Module):
+            error = TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        elif not isinstance(optimizer, DASO):
+            error = TypeError(f"optimizer must be a heatlike.optim.DASO, got "
+                              f"{type(optimizer).__name__}")
+        raise_together(error, comm)
+        check_replicas(module, comm)
+        broadcast_module(module, comm)
+        self.module = module
+        self.optimizer = optimizer
+        node = optimizer.topology
+        self.grad_sync = None
+        if node.local_size > 1:
+            self.grad_sync = GradientSync(list(module.parameters()), node.node_comm,
+                                          bucket_cap_mb, first_bucket_mb,
+                                          on_backward_end=self._backward_end)
+        optimizer.set_model(module)
+        self._handle = module.register_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, _module, _args) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = not self.training or self.optimizer.local_sync_now()
+
+    def _backward_end(self) -> None:
+        self.grad_sync.synchronize()
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def _parameters_reached(output) -> set[int]:
     """ids of the leaf tensors the autograd graph of ``output`` (tensors, nested in tuples, lists
     and dicts) accumulates gradients into."""
@@ -265,12 +312,12 @@ def _ownership_error(module: torch.nn.Module,
     trainable = {id(p): n for n, p in module.named_parameters() if p.requires_grad}
     owned = {id(p) for p in optimizer.params_ref}
     missing = [n for i, n in trainable.items() if i not in owned]
-    extra = len(owned - set(trainable))
+    extra = len(owned - {id(p) for p in module.parameters()})
     if missing:
         return ValueError(f"the optimizer does not own the module's trainable parameters "
                           f"{missing[:5]}{' ...' if len(missing) > 5 else ''}: build the torch "
                           "optimizer from module.parameters()")
     if extra:
-        return ValueError(f"the optimizer holds {extra} parameter(s) that are not trainable "
-                          "parameters of the module")
+        return ValueError(f"the optimizer holds {extra} parameter(s) that are not parameters "
+                          "of the module")
     return None

@@ -1,0 +1,415 @@
+"""DASO: Distributed Asynchronous and Selective Optimization (Coquelin et al., J. Big Data 2022).
+
+For clusters whose links between nodes are much slower than inside a node: gradients are averaged
+inside each node often and cheaply, *parameters* are averaged between nodes rarely, in a narrow
+float type, without blocking, and merged a few batches later.
+
+Ranks and groups
+    The topology module finds the nodes (``HEATLIKE_RANKS_PER_NODE`` emulates them). Cross-node
+    group i holds local rank i of every node; groups i = 0 .. min(local sizes) - 1 (those span
+    every node) take turns, one per global synchronization.
+
+Per batch b of an epoch of N batches (F = N - 1 is the last one), after the local optimizer step:
+
+1. every pending global synchronization whose receive batch is b is merged: its group's members
+   wait for the all-reduce and set ``p = (2*btw*p_local + n*avg) / (n + 2*btw)`` (n nodes, btw
+   the batches it was in flight), then broadcast the result inside their node;
+2. if ``global_skip == 0`` (warmup and cooldown), b % global_skip == 0, or b == F, group
+   ``b``'s turn starts a global synchronization: each member sends its parameters (and
+   floating-point buffers); with ``batches_to_wait`` = 0, or on the last batch, it is completed
+   at once (blocking: ``p = avg``), otherwise it is merged at batch ``b + min(btw, F - b)``;
+3. the next batch's backward averages gradients inside the node if ``global_skip == 0``,
+   ``local_skip <= 1``, ``b % local_skip == 0``, ``b % global_skip <= batches_to_wait`` (from a
+   send until its merge), or b == F.
+
+What goes over the wire: every rank keeps ``ref``, the parameters after the last blocking
+synchronization (identical everywhere). A member sends ``w * (p - ref)`` in ``downcast_type``
+(``w`` = its node's share of the ranks) in chunks of ``sending_chunk_size`` elements, one
+non-blocking all-reduce (float32 accumulation) per chunk; ``avg = ref + sum``. So the weights a
+rank keeps are never rounded to bfloat16 (only the recent change is), and nodes of different sizes
+are weighted by their ranks: a blocking DASO step equals a blocking data-parallel step for SGD.
+
+Schedule between epochs (:meth:`DASO.epoch_loss_logic`, called with the epoch's training loss):
+epochs < ``warmup_epochs`` and the last ``cooldown_epochs`` synchronize every batch, blocking.
+Entering the cycling phase sets global_skip = min(4, max_global_skips), local_skip = 1,
+batches_to_wait = 1. After that the loss (averaged over ranks) feeds a plateau detector
+(patience 2, relative threshold ``stability_level``); on a plateau with global_skip > 1 the skips
+are divided by ``skip_reduction_factor`` and batches_to_wait decremented (global_skip, local_skip
+and batches_to_wait floored at 1); on a plateau at global_skip == 1 they restart from
+``max_global_skips`` and ``max_global_skips // local_skip_factor``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from mpi4py import MPI
+
+from ..core.agreement import raise_together
+from ..core.communication import MPI_WORLD, MPICommunication, Request, sanitize_comm
+from ..core.topology import Topology
+from ..engine.buckets import comm_buffer, pack, unpack
+from ..engine.codecs import Cast
+from ..engine.links import SimulatedLink
+
+__all__ = ["DASO", "PlateauDetector"]
+
+_DOWNCAST = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class PlateauDetector:
+    """Has a metric (lower is better) stopped improving?
+
+    A value improves on the best so far if it is below ``best * (1 - threshold)`` (relative
+    threshold; ``best * (1 + threshold)`` for a negative best). :meth:`step` returns True once
+    more than ``patience`` consecutive values did not improve, and then starts counting again.
+    """
+
+    def __init__(self, patience: int = 2, threshold: float = 0.05) -> None:
+        self.patience = patience
+        self.threshold = threshold
+        self.reset()
+
+    def reset(self) -> None:
+        self.best = math.inf
+        self.bad = 0
+
+    def _improves(self, value: float) -> bool:
+        if self.best == math.inf:
+            return True
+        scale = 1.0 - self.threshold if self.best >= 0 else 1.0 + self.threshold
+        return value < self.best * scale
+
+    def step(self, value: float) -> bool:
+        if self._improves(value):
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        if self.bad > self.patience:
+            self.bad = 0
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.bad = float(state["best"]), int(state["bad"])
+
+
+@dataclass
+class _Sync:
+    """A global synchronization in flight."""
+
+    group: int
+    start: int           # batch it was sent in
+    receive_at: int      # batch it is merged in
+    btw: int             # batches between send and merge
+    requests: list[Request] = field(default_factory=list)
+    payload: torch.Tensor | None = None
+    ready_at: float = 0.0
+
+
+class DASO:
+    """DASO optimizer wrapper (Heat's signature; see the module docstring for the algorithm).
+
+    Use with :class:`heatlike.nn.DataParallelMultiGPU`, set ``last_batch`` to the number of
+    batches per epoch, call :meth:`step` after every backward and :meth:`epoch_loss_logic` after
+    every epoch.
+    """
+
+    def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,
+                 comm: MPICommunication = MPI_WORLD, warmup_epochs: int = 4,
+                 cooldown_epochs: int = 4, scheduler=None, stability_level: float = 0.05,
+                 max_global_skips: int = 8, sending_chunk_size: int = 10_000_000,
+                 downcast_type: torch.dtype = torch.bfloat16, use_mpi_groups: bool = True,
+                 skip_reduction_factor: int = 2, local_skip_factor: int = 4,
+                 verbose: bool = False) -> None:
+        comm = sanitize_comm(comm)
+        raise_together(_check_arguments(locals()), comm)
+        self.comm = comm
+        self.local_optimizer = local_optimizer
+        self.total_epochs = total_epochs
+        self.warmup_epochs = warmup_epochs
+        self.cooldown_epochs = cooldown_epochs
+        self.scheduler = scheduler
+        self.max_gs = max_global_skips
+        self.split_val = sending_chunk_size
+        self.cast_dtype = downcast_type
+        self.skip_reduction_factor = skip_reduction_factor
+        self.local_skip_factor = local_skip_factor
+        self.verbose = verbose
+        self.stability = PlateauDetector(patience=2, threshold=stability_level)
+        self.topology = Topology(comm, cross_method="group" if use_mpi_groups else "split")
+        self.groups = min(self.topology.local_sizes)
+        self.loc_gpus = self.topology.local_size
+        self.codec = Cast(downcast_type)
+        self.link: SimulatedLink | None = None
+        self.module: torch.nn.Module | None = None
+        self.last_batch: int | None = None
+        self.amp = False
+        self.scaler = None
+        self.trace: list[tuple] | None = None  # set to [] to record (epoch, batch, event, ...)
+        self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
+        self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
+        self.reset()
+
+    # -- Heat's methods ------------------------------------------------------------------------
+
+    @property
+    def params_ref(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.local_optimizer.param_groups for p in g["params"]]
+
+    def add_scaler(self, scaler) -> None:
+        """Step through ``scaler`` (``torch.amp.GradScaler``); a step is skipped on every rank when
+        any rank has non-finite gradients."""
+        self.scaler = scaler
+        self.amp = True
+
+    def print0(self, *args, **kwargs) -> None:
+        """print() on rank 0 if ``verbose``."""
+        if self.verbose and self.comm.rank == 0:
+            print(*args, **kwargs, flush=True)
+
+    def reset(self) -> None:
+        """Back to the state before the first epoch (schedule, plateau detector, counters)."""
+        for sync in getattr(self, "_pending", []):
+            for r in sync.requests:
+                r.Wait()
+        self._pending: list[_Sync] = []
+        self.stability.reset()
+        self.epoch = 0
+        self.current_batch = 0
+        self._send_mod = 0
+        self._set_epoch_parameters()
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU)."""
+        self.module = model
+        self._tensors = [p for p in model.parameters() if p.requires_grad] + \
+                        [b for b in model.buffers() if b.is_floating_point()]
+        size = sum(t.numel() for t in self._tensors)
+        device = self._tensors[0].device if self._tensors else torch.device("cpu")
+        self._ref = comm_buffer(size, torch.float32, device)
+        if self._tensors:
+            pack(self._tensors, self._ref)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.local_optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- the schedule --------------------------------------------------------------------------
+
+    def _in_cooldown(self, epoch: int) -> bool:
+        return epoch >= self.total_epochs - self.cooldown_epochs
+
+    def _set_epoch_parameters(self) -> None:
+        """global_skip, local_skip, batches_to_wait for an epoch without plateau logic: the start
+        (or a blocking phase)."""
+        if self.epoch < self.warmup_epochs or self._in_cooldown(self.epoch):
+            self.global_skip = self.local_skip = self.batches_to_wait = 0
+        else:
+            self.global_skip = max(1, min(4, self.max_gs))
+            self.local_skip = 1
+            self.batches_to_wait = 1
+
+    @torch.no_grad()
+    def epoch_loss_logic(self, loss, loss_globally_averaged: bool = False) -> None:
+        """Collective unless ``loss_globally_averaged``: choose the skips of the next epoch from
+        this epoch's training loss (module docstring)."""
+        value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if not loss_globally_averaged:
+            value = self.comm.handle.allreduce(value, op=MPI.SUM) / self.comm.size
+        e = self.epoch  # the epoch that comes next
+        if e < self.warmup_epochs or self._in_cooldown(e):
+            self._set_epoch_parameters()
+            self.print0(f"DASO epoch {e} (blocking phase): {self._describe()}")
+            return
+        if e == self.warmup_epochs:  # the cycling phase begins
+            self._set_epoch_parameters()
+        plateau = self.stability.step(value)
+        if plateau and self.global_skip > 1:
+            self.global_skip = max(1, self.global_skip // self.skip_reduction_factor)
+            self.local_skip = max(1, self.local_skip // self.skip_reduction_factor)
+            self.batches_to_wait = max(1, self.batches_to_wait - 1)
+        elif plateau and self.global_skip == 1:
+            self.global_skip = max(1, self.max_gs)
+            self.local_skip = max(1, self.max_gs // self.local_skip_factor)
+            self.batches_to_wait = max(1, self.max_gs // self.local_skip_factor)
+        self.print0(f"DASO epoch {e}: loss {value:.4f}, plateau {plateau}: {self._describe()}")
+
+    def _describe(self) -> str:
+        return (f"global_skip {self.global_skip}, local_skip {self.local_skip}, "
+                f"batches_to_wait {self.batches_to_wait}")
+
+    def local_sync_now(self) -> bool:
+        """Whether the coming batch's backward averages gradients inside the node."""
+        b, gs, ls = self.current_batch, self.global_skip, self.local_skip
+        final = self.last_batch is not None and b == self.last_batch - 1
+        return (gs == 0 or ls <= 1 or b % ls == 0 or b % gs <= self.batches_to_wait or final)
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Local optimizer step, then the synchronizations this batch calls for (module
+        docstring). Collective over the communicator."""
+        if self.module is None:
+            raise RuntimeError("DASO has no model: wrap it with "
+                               "heatlike.nn.DataParallelMultiGPU(module, daso)")
+        if not isinstance(self.last_batch, int) or self.last_batch < 1:
+            raise ValueError("set DASO.last_batch to the number of batches per epoch "
+                             f"(a positive int) before step(), got {self.last_batch!r}")
+        self._local_step()
+        b, final = self.current_batch, self.last_batch - 1
+        if self.trace is not None and self.local_sync_now():
+            self.trace.append((self.epoch, b, "local"))
+        for sync in [s for s in self._pending if s.receive_at == b]:
+            self._pending.remove(sync)
+            self._receive(sync, blocking=False)
+        gs = self.global_skip
+        if gs == 0 or b % gs == 0 or b == final:
+            btw = 0 if (gs == 0 or b == final) else min(self.batches_to_wait, final - b)
+            sync = self._send(self._send_mod, b, btw)
+            if btw == 0:
+                self._receive(sync, blocking=True)
+            else:
+                self._pending.append(sync)
+            self._send_mod = (self._send_mod + 1) % self.groups
+        if b == final:
+            self.epoch += 1
+            self.current_batch = 0
+            self._send_mod = 0
+        else:
+            self.current_batch += 1
+
+    def _local_step(self) -> None:
+        if not self.amp:
+            self.local_optimizer.step()
+        else:
+            self._agree_on_finite_gradients()
+            self.scaler.step(self.local_optimizer)
+            self.scaler.update()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _agree_on_finite_gradients(self) -> None:
+        """GradScaler skips a step when this rank's gradients are not finite; make that decision
+        the same on every rank (one small all-reduce) by marking a gradient as inf on ranks whose
+        own gradients are finite while another rank's are not."""
+        grads = [p.grad for p in self.params_ref if p.grad is not None]
+        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        if self.comm.handle.allreduce(int(bad), op=MPI.MAX) and not bad and grads:
+            grads[0].view(-1)[0] = float("inf")
+
+    # -- global synchronization ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def _send(self, group: int, batch: int, btw: int) -> _Sync:
+        sync = _Sync(group, batch, batch + btw, btw)
+        if self.trace is not None:
+            self.trace.append((self.epoch, batch, "send", group, btw))
+        topo = self.topology
+        if topo.local_rank != group or not self._tensors:
+            return sync
+        delta = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
+                                                self._ref.device))
+        delta.sub_(self._ref).mul_(topo.local_size / self.comm.size)
+        payload = self.codec.encode(delta)
+        cross = topo.cross_comm
+        for start in range(0, payload.numel(), self.split_val):
+            chunk = payload[start:start + self.split_val]
+            sync.requests.append(cross.Iallreduce(MPI.IN_PLACE, chunk, MPI.SUM))
+        nbytes = payload.numel() * payload.element_size()
+        self.bytes_cross += nbytes
+        if self.link is not None:
+            sync.ready_at = self.link.ready_at(nbytes)
+        sync.payload = payload
+        return sync
+
+    @torch.no_grad()
+    def _receive(self, sync: _Sync, blocking: bool) -> None:
+        topo = self.topology
+        if self.trace is not None:
+            self.trace.append((self.epoch, self.current_batch,
+                               "blocking" if blocking else "merge", sync.group))
+        if not self._tensors:
+            return
+        merged = comm_buffer(self._ref.numel(), torch.float32, self._ref.device)
+        if topo.local_rank == sync.group:
+            for request in sync.requests:
+                request.Wait()
+            if self.link is not None:
+                self.link.wait_until(sync.ready_at)
+            avg = self._ref + sync.payload.float()
+            if blocking:
+                merged.copy_(avg)
+            else:
+                n, weight = topo.num_nodes, 2.0 * sync.btw
+                pack(self._tensors, merged)
+                merged.mul_(weight).add_(avg, alpha=n).div_(n + weight)
+        topo.node_comm.Bcast(merged, root=sync.group)
+        if topo.local_size > 1:
+            self.bytes_node += merged.numel() * merged.element_size()
+        unpack(merged, self._tensors)
+        if blocking:
+            self._ref.copy_(merged)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The local optimizer's state and DASO's schedule (pending synchronizations are
+        completed first)."""
+        for sync in list(self._pending):
+            self._pending.remove(sync)
+            self._receive(sync, blocking=False)
+        return {"local_optimizer": self.local_optimizer.state_dict(),
+                "epoch": self.epoch, "current_batch": self.current_batch,
+                "global_skip": self.global_skip, "local_skip": self.local_skip,
+                "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
+                "stability": self.stability.state_dict(), "ref": self._ref.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.local_optimizer.load_state_dict(state["local_optimizer"])
+        self.epoch, self.current_batch = state["epoch"], state["current_batch"]
+        self.global_skip, self.local_skip = state["global_skip"], state["local_skip"]
+        self.batches_to_wait, self._send_mod = state["batches_to_wait"], state["send_mod"]
+        self.stability.load_state_dict(state["stability"])
+        self._ref.copy_(state["ref"])
+
+
+def _check_arguments(args: dict) -> Exception | None:
+    ints = ("total_epochs", "warmup_epochs", "cooldown_epochs", "max_global_skips",
+            "sending_chunk_size", "skip_reduction_factor", "local_skip_factor")
+    if not isinstance(args["local_optimizer"], torch.optim.Optimizer):
+        return TypeError("local_optimizer must be a torch.optim.Optimizer, got "
+                         f"{type(args['local_optimizer']).__name__}")
+    for name in ints:
+        if isinstance(args[name], bool) or not isinstance(args[name], int):
+            return TypeError(f"{name} must be an int, got {type(args[name]).__name__}")
+    for name in ("warmup_epochs", "cooldown_epochs", "max_global_skips"):
+        if args[name] < 0:
+            return ValueError(f"{name} must be >= 0, got {args[name]}")
+    for name in ("total_epochs", "sending_chunk_size", "skip_reduction_factor",
+                 "local_skip_factor"):
+        if args[name] <= 0:
+            return ValueError(f"{name} must be > 0, got {args[name]}")
+    if args["total_epochs"] <= args["warmup_epochs"] + args["cooldown_epochs"]:
+        return ValueError(f"total_epochs ({args['total_epochs']}) must exceed warmup_epochs + "
+                          f"cooldown_epochs ({args['warmup_epochs']} + "
+                          f"{args['cooldown_epochs']})")
+    if not isinstance(args["stability_level"], (int, float)) or args["stability_level"] < 0:
+        return ValueError(f"stability_level must be a number >= 0, got "
+                          f"{args['stability_level']!r}")
+    if args["downcast_type"] not in _DOWNCAST:
+        return ValueError(f"downcast_type must be one of {list(_DOWNCAST)}, got "
+                          f"{args['downcast_type']!r}")
+    scheduler = args["scheduler"]
+    if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        return TypeError("scheduler must be a torch.optim.lr_scheduler scheduler object, got "
+                         f"{type(scheduler).__name__}")
+    for name in ("use_mpi_groups", "verbose"):
+        if not isinstance(args[name], bool):
+            return TypeError(f"{name} must be a bool, got {type(args[name]).__name__}")
+    return None
+
