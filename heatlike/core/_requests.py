@@ -101,7 +101,12 @@ def wait_all(requests: Iterable[Request | None]) -> None:
     """
     pending = [r for r in requests if r is not None and r._req is not None]
     while pending:
-        MPI.Request.Waitall([r._req for r in pending])
+        phases = [r._req for r in pending]
+        if all(isinstance(q, MPI.Request) for q in phases):
+            MPI.Request.Waitall(phases)
+        else:  # some phases are themselves heatlike requests (composed operations)
+            for q in phases:
+                q.Wait()
         for r in pending:
             r._advance()
         pending = [r for r in pending if r._req is not None]

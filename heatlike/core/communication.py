@@ -352,6 +352,15 @@ class MPICommunication:
             if free_group:
                 group.Free()
 
+    def Create_dist_graph_adjacent(self, sources: Sequence[int], destinations: Sequence[int],
+                                   reorder: bool = False) -> MPICommunication:
+        """Collective: a distributed-graph communicator where this rank receives from
+        ``sources`` and sends to ``destinations`` (for neighborhood collectives)."""
+        for r in (*sources, *destinations):
+            self._check_peer(r, "neighbor")
+        return self._owned(self.handle.Create_dist_graph_adjacent(
+            list(sources), list(destinations), reorder=reorder))
+
     def Dup(self) -> MPICommunication:
         """Collective: a communicator with the same ranks and a separate message space."""
         return self._owned(self.handle.Dup())
@@ -748,6 +757,27 @@ class MPICommunication:
         if fin is not None:
             fin()
 
+    def _neighbor_allgather(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
+        """On a distributed-graph communicator: ``recvbuf`` = the ``sendbuf`` of every source
+        neighbor, concatenated in the order the sources were given."""
+        if not isinstance(self.handle, MPI.Distgraphcomm):
+            raise TypeError("Neighbor_allgather needs a communicator from "
+                            "Create_dist_graph_adjacent")
+        indegree = self.handle.Get_dist_neighbors_count()[0]
+        send, _ = as_tensor(sendbuf, "sendbuf")
+        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        _same_dtype(send, recv, "Neighbor_allgather")
+        _expect_numel(recv, indegree * send.numel(), "recvbuf", "Neighbor_allgather",
+                      "in-degree x size of sendbuf")
+        _no_alias(send, recv, "Neighbor_allgather")
+        src = readable(send)
+        dst, fin = writable(recv, back)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Neighbor_allgather", spec(src),
+                        bspec(dst, max(indegree, 1)))
+        if fin is not None:
+            fin()
+
     Send, Isend = _pair(_send)
     Ssend, Issend = _pair(_ssend)
     Recv, Irecv = _pair(_recv)
@@ -766,6 +796,7 @@ class MPICommunication:
     Gatherv, Igatherv = _pair(_gatherv)
     Scatter, Iscatter = _pair(_scatter)
     Scatterv, Iscatterv = _pair(_scatterv)
+    Neighbor_allgather, Ineighbor_allgather = _pair(_neighbor_allgather)
 
     # Fast paths for the hottest calls: plain contiguous host buffers go straight to MPI; anything
     # else (and every error) takes the general operation above. Same results either way.

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from .communication import MPICommunication, sanitize_comm
 
-__all__ = ["Topology", "get_topology", "detect_node_ids"]
+__all__ = ["Topology", "get_topology", "detect_node_ids", "NeighborGraph"]
 
 
 def _env_node_ids(size: int) -> list[int] | None:
@@ -156,3 +156,136 @@ def get_topology(comm: MPICommunication | None = None) -> Topology:
         topo = Topology(comm)
         comm.__dict__["_topology"] = topo
     return topo
+
+
+# ---------------------------------------------------------------------------- neighbor graphs
+
+
+class NeighborGraph:
+    """An undirected, connected graph over the ranks of ``comm`` with mixing weights, for gossip.
+
+    Built collectively from each rank's own neighbor list (mlbench's ``neighbors`` argument) or
+    from one of the constructors (:meth:`ring`, :meth:`torus`, :meth:`exponential`,
+    :meth:`complete`). The lists are checked together: every entry a valid rank other than the
+    owner, the relation symmetric (j lists i when i lists j), the graph connected (so every rank
+    is included); otherwise ValueError on every rank. Rank 0 is a rank like any other.
+
+    Weights of ``x_i <- W_ii x_i + sum_j W_ij x_j``:
+
+    * ``"metropolis"`` (default): W_ij = 1 / (1 + max(d_i, d_j)), W_ii = 1 - sum_j W_ij. Doubly
+      stochastic from local degrees, so gossip preserves the average of the models on any graph;
+      on a regular graph it equals the uniform weights.
+    * ``"uniform"``: every W_ij and W_ii = 1 / (d_i + 1) (mlbench's); preserves the average only
+      on regular graphs.
+
+    ``graph_comm`` is the MPI distributed-graph communicator (``MPI_Dist_graph_create_adjacent``)
+    whose neighborhood collectives carry the gossip.
+    """
+
+    def __init__(self, comm: MPICommunication | None, neighbors: Sequence[int],
+                 weights: str = "metropolis") -> None:
+        from .agreement import raise_together
+
+        comm = sanitize_comm(comm)
+        error = None
+        try:
+            mine = sorted({int(j) for j in neighbors})
+        except (TypeError, ValueError):
+            mine, error = [], TypeError(f"neighbors must be a list of ranks, got {neighbors!r}")
+        if weights not in ("metropolis", "uniform"):
+            error = ValueError(f"weights must be 'metropolis' or 'uniform', got {weights!r}")
+        raise_together(error, comm)
+        adjacency = comm.handle.allgather(mine)
+        raise_together(_graph_error(adjacency), comm)
+        self.comm = comm
+        self.adjacency = adjacency
+        self.neighbors = mine
+        self.kind = weights
+        degree = [len(a) for a in adjacency]
+        me = comm.rank
+        if weights == "uniform":
+            self.weights = [1.0 / (degree[me] + 1)] * len(mine)
+        else:
+            self.weights = [1.0 / (1 + max(degree[me], degree[j])) for j in mine]
+        self.self_weight = 1.0 - sum(self.weights)
+        self.graph_comm = comm.Create_dist_graph_adjacent(mine, mine)
+
+    @classmethod
+    def from_adjacency(cls, comm: MPICommunication | None, adjacency: Sequence[Sequence[int]],
+                       weights: str = "metropolis") -> NeighborGraph:
+        """The graph given as every rank's neighbor list (identical on every rank)."""
+        comm = sanitize_comm(comm)
+        if len(adjacency) != comm.size:
+            from .agreement import raise_together
+
+            raise_together(ValueError(f"adjacency lists {len(adjacency)} ranks, the "
+                                      f"communicator has {comm.size}"), comm)
+        return cls(comm, adjacency[comm.rank], weights)
+
+    @classmethod
+    def ring(cls, comm: MPICommunication | None = None, weights: str = "metropolis"):
+        comm = sanitize_comm(comm)
+        r, p = comm.rank, comm.size
+        return cls(comm, [j for j in ((r - 1) % p, (r + 1) % p) if j != r], weights)
+
+    @classmethod
+    def torus(cls, comm: MPICommunication | None = None, rows: int | None = None,
+              weights: str = "metropolis"):
+        """2-D torus of ``rows`` x (P / rows) ranks (default: the most square factorization)."""
+        comm = sanitize_comm(comm)
+        p = comm.size
+        if rows is None:
+            rows = max(d for d in range(1, int(p ** 0.5) + 1) if p % d == 0)
+        if p % rows:
+            from .agreement import raise_together
+
+            raise_together(ValueError(f"rows={rows} does not divide {p} ranks"), comm)
+        cols = p // rows
+        i, j = divmod(comm.rank, cols)
+        around = {((i + di) % rows) * cols + (j + dj) % cols
+                  for di, dj in ((-1, 0), (1, 0), (0, -1), (0, 1))}
+        return cls(comm, sorted(around - {comm.rank}), weights)
+
+    @classmethod
+    def exponential(cls, comm: MPICommunication | None = None, weights: str = "metropolis"):
+        """Neighbors at distance 1, 2, 4, ... in both directions around the ring."""
+        comm = sanitize_comm(comm)
+        r, p = comm.rank, comm.size
+        hops = [1 << k for k in range(max(1, p.bit_length())) if (1 << k) < p]
+        return cls(comm, sorted({(r + h) % p for h in hops} | {(r - h) % p for h in hops} - {r}),
+                   weights)
+
+    @classmethod
+    def complete(cls, comm: MPICommunication | None = None, weights: str = "metropolis"):
+        comm = sanitize_comm(comm)
+        return cls(comm, [j for j in range(comm.size) if j != comm.rank], weights)
+
+    def free(self) -> None:
+        self.graph_comm.Free()
+
+    def __repr__(self) -> str:
+        return f"NeighborGraph(rank {self.comm.rank}: neighbors {self.neighbors}, {self.kind})"
+
+
+def _graph_error(adjacency: list[list[int]]) -> ValueError | None:
+    p = len(adjacency)
+    for i, nbrs in enumerate(adjacency):
+        for j in nbrs:
+            if not 0 <= j < p:
+                return ValueError(f"rank {i} lists neighbor {j}, not a rank of {p}")
+            if j == i:
+                return ValueError(f"rank {i} lists itself as a neighbor")
+            if i not in adjacency[j]:
+                return ValueError(f"the graph is not symmetric: rank {i} lists {j} but rank {j} "
+                                  f"does not list {i}")
+    seen, todo = {0}, [0]
+    while todo:
+        for j in adjacency[todo.pop()]:
+            if j not in seen:
+                seen.add(j)
+                todo.append(j)
+    if len(seen) != p:
+        missing = sorted(set(range(p)) - seen)
+        return ValueError(f"the graph is not connected: ranks {missing[:8]} cannot be reached "
+                          "from rank 0")
+    return None

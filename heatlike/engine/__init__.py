@@ -3,7 +3,19 @@ codecs (what goes on the wire), reducers (how ranks combine it), and the gradien
 runs them during the backward pass."""
 
 from .buckets import Bucket, comm_buffer, pack, plan_buckets, unpack  # noqa: F401
-from .codecs import Cast, Codec, Identity  # noqa: F401
+from .codecs import (  # noqa: F401
+    Cast,
+    Codec,
+    Identity,
+    PowerSGD,
+    RandomBlock,
+    RandomK,
+    ScaledSign,
+    Sign,
+    Threshold,
+    TopK,
+)
+from .exchange import Context, Gather, Sum, exchange  # noqa: F401
 from .gradsync import GradientSync  # noqa: F401
 from .links import SimulatedLink, SlowLinkAllReduce  # noqa: F401
-from .reducers import AllReduce, Reducer  # noqa: F401
+from .reducers import AllReduce, Gossip, Hierarchical, Reducer  # noqa: F401

@@ -1,78 +1,398 @@
-"""Codecs: what a bucket looks like on the wire.
+"""Codecs: what a tensor looks like on the wire.
 
-A codec turns a bucket's flat float buffer into the payload that is communicated and back. A
-*linear* codec's payloads can be summed by an all-reduce (sum of encodings = encoding of the sum,
-up to rounding); the others need an all-gather (added with the compression optimizers).
+Each codec turns a flat float tensor ``x`` (a bucket of gradients, parameters or updates) into
+communication rounds (``heatlike.engine.exchange``) and leaves the sum over ranks, exact or
+approximated, in ``x``. Codecs with error feedback keep a residual ``e`` per tensor key: they
+compress ``x + e`` and keep what they did not send, ``e <- x + e - sent``, so nothing is lost,
+only delayed (Stich et al. 2018; Karimireddy et al. 2019). Their state is in ``state_dict()``.
 
-* :class:`Identity`: the buffer itself, no copy.
-* :class:`Cast`: the buffer in a narrower float type (bfloat16 / float16) on the wire. Sums are
-  still accumulated in float32 by the communication layer, so the only error is the one rounding
-  of each rank's contribution to the narrow type (and of the result). For float16, let the
-  reducer divide before the sum (``divide_before``) if values may overflow.
+=================  ==============================================  =========  ===================
+codec              sends per rank (n floats in)                    linear     decode
+=================  ==============================================  =========  ===================
+Identity           n floats                                        yes        sum
+Cast(bf16/fp16)    n half floats (float32 accumulation)            yes        sum
+TopK(k)            k (index, value) pairs, largest |x + e|          no         scatter-add
+RandomK(k)         k values at indices drawn from a seed all ranks  yes        scatter
+                   share (``shared=False``: own indices, + index)
+RandomBlock(k)     k consecutive values from a shared random start  yes        scatter
+Threshold(t)       (index, value) of every |x + e| >= t             no         scatter-add
+Sign               1 bit per value                                  no         sum of signs
+Sign(scaled=True)  1 bit per value + mean |x + e|                   no         sum of scaled signs
+PowerSGD(r)        r (n_i + m_i) per matrix, 1-D tensors as is       two rounds P Q^T
+=================  ==============================================  =========  ===================
+
+"Linear": every round is a ``Sum``, so the codec works with any reducer, gossip included; the
+others gather every rank's payload.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["Codec", "Identity", "Cast"]
+from .exchange import Context, Gather, Rounds, Sum
+
+__all__ = ["Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock", "Threshold", "Sign",
+           "ScaledSign", "PowerSGD"]
 
 
 class Codec:
-    """Base class. ``encode`` returns the payload to reduce (it may be the buffer itself);
-    ``decode`` writes the reduced payload back into the buffer."""
+    """Base class (see the module docstring). Subclasses implement :meth:`rounds`."""
 
-    linear = True
     name = "codec"
+    linear = True          # only Sum rounds
+    carries_flags = False  # small integers in the tensor survive exactly (flags may ride along)
+    stateful = False       # keeps state between exchanges (residuals, warm starts)
 
-    def encode(self, buffer: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    def __init__(self) -> None:
+        self.states: dict = {}
 
-    def decode(self, payload: torch.Tensor, buffer: torch.Tensor) -> None:
-        raise NotImplementedError
+    def state_for(self, key: object) -> dict:
+        return self.states.setdefault(key, {})
 
-    def wire_bytes(self, numel: int) -> int:
-        """Bytes one rank contributes for a buffer of ``numel`` float32 elements."""
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {}
+        return {"codec": self.name, "states": {k: dict(v) for k, v in self.states.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise ValueError(f"{self.name} has no state, got keys {sorted(state)}")
+        if state.get("codec") != self.name:
+            raise ValueError(f"state of codec {state.get('codec')!r} given to {self.name!r}")
+        self.states = {k: dict(v) for k, v in state["states"].items()}
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 class Identity(Codec):
-    """Send the buffer as it is."""
+    """Send the values as they are."""
 
     name = "identity"
+    carries_flags = True
 
-    def encode(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer
-
-    def decode(self, payload: torch.Tensor, buffer: torch.Tensor) -> None:
-        if payload.data_ptr() != buffer.data_ptr():
-            buffer.copy_(payload)
-
-    def wire_bytes(self, numel: int) -> int:
-        return numel * 4
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        yield Sum(x)
 
 
 class Cast(Codec):
-    """Send the buffer as ``dtype`` (torch.bfloat16, torch.float16 or torch.float32)."""
+    """Send the values as ``dtype`` (torch.bfloat16, torch.float16 or torch.float32). The
+    communication layer sums half types in float32, so each rank's contribution is rounded once
+    and the sum once."""
+
+    carries_flags = True
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"Cast supports bfloat16, float16 and float32, got {dtype}")
         self.dtype = dtype
         self.name = f"cast-{str(dtype).removeprefix('torch.')}"
 
-    def encode(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.to(self.dtype)
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        wire = x.to(self.dtype)
+        yield Sum(wire)
+        x.copy_(wire)
 
-    def decode(self, payload: torch.Tensor, buffer: torch.Tensor) -> None:
-        buffer.copy_(payload)
 
-    def wire_bytes(self, numel: int) -> int:
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+class _Feedback(Codec):
+    """Error feedback: compress ``x + e`` and keep the rest in ``e``."""
+
+    def __init__(self, error_feedback: bool) -> None:
+        super().__init__()
+        self.error_feedback = error_feedback
+        self.stateful = error_feedback
+
+    def _with_residual(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        if not self.error_feedback:
+            return x.clone()
+        residual = ctx.state.get("residual")
+        if residual is None or residual.shape != x.shape:
+            residual = torch.zeros_like(x)
+        return x + residual
+
+    def _keep(self, ctx: Context, total: torch.Tensor, sent: torch.Tensor) -> None:
+        if self.error_feedback:
+            ctx.state["residual"] = total - sent
+
+
+def _count(n: int, k: int | None, ratio: float | None) -> int:
+    if k is not None:
+        return max(0, min(int(k), n))
+    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+
+
+def _check_k(k: int | None, ratio: float | None) -> None:
+    if (k is None) == (ratio is None):
+        raise ValueError("give exactly one of k and ratio")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
+
+
+def _index_dtype(n: int) -> torch.dtype:
+    return torch.int32 if n < 2**31 else torch.int64
+
+
+def _scatter_add(x: torch.Tensor, gathered: list) -> None:
+    x.zero_()
+    for indices, values in gathered:
+        x.index_add_(0, indices.long(), values)
+
+
+class TopK(_Feedback):
+    """Send the k entries of largest magnitude (k, or ``ceil(ratio * n)``) as (index, value)
+    pairs; ``index_add`` the pairs of every rank."""
+
+    linear = False
+
+    def __init__(self, k: int | None = None, ratio: float | None = None,
+                 error_feedback: bool = True) -> None:
+        _check_k(k, ratio)
+        super().__init__(error_feedback)
+        self.k, self.ratio = k, ratio
+        self.name = f"topk-{k if k is not None else ratio}"
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        total = self._with_residual(x, ctx)
+        k = _count(x.numel(), self.k, self.ratio)
+        indices = torch.topk(total.abs(), k, sorted=False).indices
+        sent = torch.zeros_like(total)
+        sent[indices] = total[indices]
+        self._keep(ctx, total, sent)
+        gathered = yield Gather([indices.to(_index_dtype(x.numel())), total[indices]])
+        _scatter_add(x, gathered)
+
+
+class Threshold(_Feedback):
+    """Send every entry with ``|x + e| >= threshold`` as an (index, value) pair; the count
+    varies between ranks and steps."""
+
+    linear = False
+
+    def __init__(self, threshold: float, error_feedback: bool = True) -> None:
+        if not threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {threshold!r}")
+        super().__init__(error_feedback)
+        self.threshold = float(threshold)
+        self.name = f"threshold-{threshold}"
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        total = self._with_residual(x, ctx)
+        indices = torch.nonzero(total.abs() >= self.threshold).view(-1)
+        sent = torch.zeros_like(total)
+        sent[indices] = total[indices]
+        self._keep(ctx, total, sent)
+        gathered = yield Gather([indices.to(_index_dtype(x.numel())), total[indices]],
+                                variable=True)
+        _scatter_add(x, gathered)
+
+
+class RandomK(_Feedback):
+    """Send k entries at random indices. ``shared=True``: every rank draws the same indices from a
+    common seed, so only values travel and they are summed (linear); ``shared=False``: each rank
+    draws its own and sends (index, value) pairs."""
+
+    def __init__(self, k: int | None = None, ratio: float | None = None, shared: bool = True,
+                 error_feedback: bool = True) -> None:
+        _check_k(k, ratio)
+        super().__init__(error_feedback)
+        self.k, self.ratio, self.shared = k, ratio, shared
+        self.linear = shared
+        self.name = f"randomk-{k if k is not None else ratio}{'' if shared else '-own'}"
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        total = self._with_residual(x, ctx)
+        n = x.numel()
+        k = _count(n, self.k, self.ratio)
+        indices = torch.randperm(n, generator=ctx.generator(shared=self.shared))[:k]
+        indices = indices.to(x.device)
+        sent = torch.zeros_like(total)
+        sent[indices] = total[indices]
+        self._keep(ctx, total, sent)
+        values = total[indices]
+        if self.shared:
+            yield Sum(values)
+            x.zero_()
+            x[indices] = values
+        else:
+            gathered = yield Gather([indices.to(_index_dtype(n)), values])
+            _scatter_add(x, gathered)
+
+
+class RandomBlock(_Feedback):
+    """Send a block of k consecutive entries starting at a random offset (shared between ranks
+    by default, then only values travel and are summed)."""
+
+    def __init__(self, k: int | None = None, ratio: float | None = None, shared: bool = True,
+                 error_feedback: bool = True) -> None:
+        _check_k(k, ratio)
+        super().__init__(error_feedback)
+        self.k, self.ratio, self.shared = k, ratio, shared
+        self.linear = shared
+        self.name = f"randomblock-{k if k is not None else ratio}{'' if shared else '-own'}"
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        total = self._with_residual(x, ctx)
+        n = x.numel()
+        k = _count(n, self.k, self.ratio)
+        g = ctx.generator(shared=self.shared)
+        start = int(torch.randint(0, n - k + 1, (1,), generator=g)) if n else 0
+        sent = torch.zeros_like(total)
+        sent[start:start + k] = total[start:start + k]
+        self._keep(ctx, total, sent)
+        block = total[start:start + k].clone()
+        if self.shared:
+            yield Sum(block)
+            x.zero_()
+            x[start:start + k] = block
+        else:
+            indices = torch.arange(start, start + k, device=x.device).to(_index_dtype(n))
+            gathered = yield Gather([indices, block])
+            _scatter_add(x, gathered)
+
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Bool tensor -> uint8 tensor of ceil(n / 8) bytes (most significant bit first)."""
+    n = bits.numel()
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits.view(-1)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``n`` bits as a bool tensor."""
+    shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
+    bits = (packed.view(-1, 1) >> shifts) & 1
+    return bits.view(-1)[:n].bool()
+
+
+class Sign(_Feedback):
+    """Send one bit per entry, its sign (0 counts as +). The decoded sum is the vote count
+    ``sum_r sign_r`` (the average is in [-1, 1]; SignSGD steps along its sign: majority vote).
+
+    ``scaled=True`` also sends the mean magnitude ``s = mean |x + e|`` and decodes
+    ``sum_r s_r sign_r``, which with error feedback is EF-SignSGD's compressor."""
+
+    linear = False
+
+    def __init__(self, scaled: bool = False, error_feedback: bool = False) -> None:
+        super().__init__(error_feedback)
+        self.scaled = scaled
+        self.name = ("scaled-sign" if scaled else "sign") + ("-ef" if error_feedback else "")
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        total = self._with_residual(x, ctx)
+        positive = total >= 0
+        signs = positive.to(x.dtype) * 2 - 1
+        scale = total.abs().mean() if self.scaled and x.numel() else torch.ones((), dtype=x.dtype)
+        self._keep(ctx, total, scale * signs)
+        payload = [pack_bits(positive)]
+        if self.scaled:
+            payload.append(scale.reshape(1).to(torch.float32))
+        gathered = yield Gather(payload)
+        x.zero_()
+        n = x.numel()
+        for parts in gathered:
+            s = parts[1].to(x.dtype) if self.scaled else 1.0
+            x.add_((unpack_bits(parts[0], n).to(x.dtype) * 2 - 1) * s)
+
+
+class ScaledSign(Sign):
+    """EF-SignSGD's compressor: scaled signs with error feedback."""
+
+    def __init__(self, error_feedback: bool = True) -> None:
+        super().__init__(scaled=True, error_feedback=error_feedback)
+
+
+class PowerSGD(Codec):
+    """Rank-r power iteration compression (Vogels et al. 2019) with error feedback.
+
+    Every parameter with more than one dimension is viewed as an n x m matrix M (shape[0], rest)
+    and compressed to r = min(n, m, rank) columns; 1-D tensors are sent as they are. With
+    M = gradient + residual and Q an m x r matrix (random from a seed all ranks share, or the last
+    averaged Q with ``reuse_query``):
+
+        P = M Q            summed over ranks (one round for all matrices and the 1-D tensors)
+        P = orth(P)        (QR)
+        Q = M^T P          summed over ranks (second round)
+        sum of M  ~  P Q^T,    residual <- M - P Q^T / ranks
+
+    With rank >= min(n, m) the approximation is exact. Compression happens at any world size
+    (the result does not depend on it); the global RNG is never touched.
+    """
+
+    linear = True
+
+    def __init__(self, rank: int = 1, reuse_query: bool = False,
+                 error_feedback: bool = True) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"rank must be a positive integer, got {rank!r}")
+        super().__init__()
+        self.rank = rank
+        self.reuse_query = reuse_query
+        self.error_feedback = error_feedback
+        self.stateful = error_feedback or reuse_query
+        self.name = f"powersgd-{rank}"
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        state = ctx.state
+        if self.error_feedback:
+            residual = state.get("residual")
+            total = x + residual if residual is not None and residual.shape == x.shape \
+                else x.clone()
+        else:
+            total = x
+        matrices, plain = [], []  # (slice, M) / slice
+        offset = 0
+        for i, shape in enumerate(ctx.shapes):
+            n_el = math.prod(shape)
+            piece = slice(offset, offset + n_el)
+            offset += n_el
+            if len(shape) <= 1 or n_el == 0:
+                plain.append(piece)
+            else:
+                matrices.append((i, piece, total[piece].view(shape[0], -1)))
+        queries = state.setdefault("Q", {})
+        ps, qs = [], []
+        for i, _, m in matrices:
+            r = min(m.shape[0], m.shape[1], self.rank)
+            q = queries.get(i) if self.reuse_query else None
+            if q is None or q.shape != (m.shape[1], r):
+                q = torch.randn(m.shape[1], r, generator=ctx.generator(salt=i))
+                q = q.to(device=x.device, dtype=x.dtype)
+            qs.append(q)
+            ps.append(m @ q)
+        first = torch.cat([p.reshape(-1) for p in ps] + [total[s] for s in plain]) \
+            if ps or plain else x[:0]
+        yield Sum(first)
+        offset = 0
+        for j, p in enumerate(ps):
+            ps[j] = torch.linalg.qr(first[offset:offset + p.numel()].view(p.shape),
+                                    mode="reduced").Q
+            offset += p.numel()
+        for s in plain:
+            x[s] = first[offset:offset + (s.stop - s.start)]
+            offset += s.stop - s.start
+        second = torch.cat([(m.t() @ p).reshape(-1) for (_, _, m), p in zip(matrices, ps)]) \
+            if matrices else x[:0]
+        yield Sum(second)
+        offset = 0
+        for (i, piece, m), p in zip(matrices, ps):
+            q = second[offset:offset + m.shape[1] * p.shape[1]].view(m.shape[1], p.shape[1])
+            offset += q.numel()
+            approx = p @ q.t()
+            x[piece] = approx.reshape(-1)
+            if self.error_feedback:
+                total[piece] = (m - approx / ctx.size).reshape(-1)
+            if self.reuse_query:
+                queries[i] = q / ctx.size
+        if self.error_feedback:
+            for s in plain:
+                total[s] = 0
+            state["residual"] = total

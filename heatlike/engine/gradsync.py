@@ -11,15 +11,15 @@ communicator while the backward pass is still running (the idea of PyTorch DDP):
    buckets after it.
 2. A post-accumulate-grad hook on every parameter copies its gradient into its bucket and sets the
    parameter's flag. When every parameter of bucket k has reported and buckets 0..k-1 have been
-   launched, bucket k is launched: codec ``encode`` then reducer ``start`` (a non-blocking
-   all-reduce). Launching strictly in bucket order keeps the sequence of collectives identical on
-   all ranks whatever order the hooks fire in.
+   launched, bucket k is launched: the codec and the reducer run as one non-blocking exchange
+   (``heatlike.engine.exchange``). Launching strictly in bucket order keeps the sequence of
+   collectives identical on all ranks whatever order the hooks fire in.
 3. At the end of the backward pass (an autograd callback), every parameter that has not reported
    is filled in: with its ``.grad`` if it has one (gradients accumulated under ``no_sync``),
    else zeros and flag 0; the remaining buckets are launched. No rank waits for a bucket another
    rank never sends.
-4. ``wait(bucket)`` completes a bucket's reduction (codec ``decode``, reducer ``finish``: the
-   division by P), ``unpack(bucket)`` makes the averages the parameters' ``.grad``. A parameter
+4. ``wait(bucket)`` completes a bucket's exchange (the reducer's division by P included),
+   ``unpack(bucket)`` makes the averages the parameters' ``.grad``. A parameter
    whose summed flag is 0 was used on no rank; its ``.grad`` stays as it was (None), so the
    optimizer skips it exactly as a single process would.
 
@@ -42,6 +42,7 @@ from torch.autograd import Variable
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from .buckets import Bucket, plan_buckets
 from .codecs import Codec, Identity
+from .exchange import Context, exchange
 from .reducers import AllReduce, Reducer
 
 __all__ = ["GradientSync"]
@@ -61,19 +62,23 @@ class GradientSync:
                  first_bucket_mb: float = 1.0, codec: Codec | None = None,
                  reducer: Reducer | None = None,
                  on_backward_end: Callable[[], None] | None = None,
-                 grad_as_bucket_view: bool = True) -> None:
+                 grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0) -> None:
         self.comm = sanitize_comm(comm)
         self.grad_as_bucket_view = grad_as_bucket_view
+        self.seed = seed
         self.params = [p for p in params if p.requires_grad]
         self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
         self._plan(list(reversed(self.params)))
         self.codec = codec if codec is not None else Identity()
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
+        if getattr(self.reducer, "mixes", False):
+            raise ValueError("gradient buckets need a summing reducer, not gossip")
+        self._exchanges = [0] * len(self.buckets)
         self.on_backward_end = on_backward_end
         self._cycles = 0
         self._arrival: list[int] = []  # indices into self.params, in gradient arrival order
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._requests: dict[int, tuple[Request, torch.Tensor]] = {}
+        self._requests: dict[int, Request] = {}
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
         self.active = False
@@ -81,8 +86,8 @@ class GradientSync:
         self.unsynced = False  # gradients were produced under no_sync since the last sync
         self._callback_queued = False
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
-        self.bytes_sent = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for p in self.params] if hooks else []
 
     def _plan(self, order: list[torch.nn.Parameter]) -> None:
         self.buckets: list[Bucket] = plan_buckets(order, *self._caps)
@@ -105,7 +110,7 @@ class GradientSync:
         if self.active or not self.buckets:
             return
         self._cycles += 1
-        if self._cycles == 2:
+        if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()
         self.active = True
         self._callback_queued = False
@@ -154,14 +159,26 @@ class GradientSync:
         while self._next < len(self.buckets) and \
                 self._ready[self._next] == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
-            self.reducer.prepare(bucket.buffer)
-            payload = self.codec.encode(bucket.buffer)
-            self._requests[bucket.index] = (self.reducer.start(payload), payload)
-            self.bytes_sent += payload.numel() * payload.element_size()
+            self._requests[bucket.index] = Request(self._exchange(bucket))
             self._next += 1
 
+    def _exchange(self, bucket: Bucket):
+        b = bucket.index
+        ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
+                      rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
+                      state=self.codec.state_for(b))
+        self._exchanges[b] += 1
+        if self.codec.carries_flags:
+            return exchange(bucket.buffer, self.codec, self.reducer, ctx)
+        return exchange(bucket.values, self.codec, self.reducer, ctx, bucket.flags)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank handed to collectives so far."""
+        return self.reducer.bytes_sent
+
     def _progress(self) -> None:
-        for request, _ in self._requests.values():
+        for request in self._requests.values():
             request.Test()
 
     def _backward_done(self) -> None:
@@ -210,11 +227,7 @@ class GradientSync:
         """Complete the reduction of bucket ``b`` (its buffer then holds the averages)."""
         if b in self._reduced:
             return
-        request, payload = self._requests[b]
-        request.Wait()
-        bucket = self.buckets[b]
-        self.codec.decode(payload, bucket.buffer)
-        self.reducer.finish(bucket.buffer)
+        self._requests[b].Wait()
         self._reduced.add(b)
 
     def unpack(self, b: int) -> list[torch.nn.Parameter]:

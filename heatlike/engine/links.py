@@ -4,7 +4,8 @@
 a transfer of n bytes started at time t is not considered complete before
 ``t + latency + n / bandwidth``. Code that waits for the transfer sleeps until then, so
 computation between start and wait still hides the delay, as it would on a real link. Results are
-unchanged; only time is added. :class:`SlowLinkAllReduce` applies it to the engine's all-reduce.
+unchanged; only time is added. :class:`SlowLinkAllReduce` applies it to the engine's
+all-reduce.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import time
 
 import torch
 
-from ..core.communication import Request
 from .reducers import AllReduce
 
 __all__ = ["SimulatedLink", "SlowLinkAllReduce"]
@@ -45,19 +45,15 @@ class SimulatedLink:
 
 
 class SlowLinkAllReduce(AllReduce):
-    """:class:`~heatlike.engine.reducers.AllReduce` whose completion waits out a
-    :class:`SimulatedLink` (for a flat data-parallel baseline whose all-reduces cross nodes)."""
+    """:class:`~heatlike.engine.reducers.AllReduce` whose every round waits out a
+    :class:`SimulatedLink` when it completes (for a flat data-parallel baseline whose
+    all-reduces cross nodes)."""
 
     def __init__(self, link: SimulatedLink, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.link = link
-        self._ready: dict[int, float] = {}
 
-    def start(self, payload: torch.Tensor) -> Request:
-        nbytes = payload.numel() * payload.element_size()
-        self._ready[payload.data_ptr()] = self.link.ready_at(nbytes)
-        return super().start(payload)
-
-    def finish(self, buffer: torch.Tensor) -> None:
-        self.link.wait_until(self._ready.pop(buffer.data_ptr(), 0.0))
-        super().finish(buffer)
+    def combine(self, t: torch.Tensor):
+        ready = self.link.ready_at(t.numel() * t.element_size())
+        yield from super().combine(t)
+        self.link.wait_until(ready)

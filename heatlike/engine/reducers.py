@@ -1,16 +1,23 @@
-"""Reducers: how payloads are combined across ranks.
+"""Reducers: how ranks combine what codecs send (``heatlike.engine.exchange``).
 
-:class:`AllReduce` combines every rank's payload with one non-blocking all-reduce:
+A reducer answers the codec's rounds: ``combine`` a tensor in place (``Sum``), ``gather`` every
+rank's tensors (``Gather``); around the codec it applies ``prepare`` (division before the sum) and
+``finish`` (division after). All collectives are non-blocking phases of the exchange.
 
-* ``op="avg"`` (default): sum, then divide by the number of ranks P (``divide_before=True``
-  divides each contribution by P first: float16 overflow safety);
-* ``op="custom_avg"``: sum, then divide by ``denom`` (mlbench's ``average_custom``);
-* ``op="sum"``, ``"min"``, ``"max"``: the plain reduction.
+* :class:`AllReduce`: one all-reduce per ``Sum`` over the communicator; ``op="avg"`` divides the
+  sum by the number of ranks, ``"custom_avg"`` by ``denom`` (settable per step), ``"sum"``,
+  ``"min"``, ``"max"`` reduce plainly; ``divide_before`` divides each contribution first
+  (float16 overflow safety). ``Gather`` uses ``Allgather`` (``Allgatherv`` after exchanging the
+  counts when sizes vary).
+* :class:`Hierarchical`: ``Sum`` as node-local reduce to each node's local rank 0, all-reduce among
+  those (one rank per node), node-local broadcast: what Horovod's hierarchical all-reduce does,
+  so only one rank per node uses the slow links between nodes.
+* :class:`Gossip`: ``Sum`` becomes a neighbor mix ``x_i <- sum_j W_ij x_j`` over a
+  :class:`~heatlike.core.topology.NeighborGraph` (one ``Neighbor_allgather`` on the MPI
+  distributed-graph communicator); for codecs whose payload is the values themselves.
 
-The engine calls ``prepare(buffer)`` on the float buffer before the codec encodes it (division
-before the sum), ``start(payload)`` to begin the reduction of the encoded payload in place (returns
-the request), and ``finish(buffer)`` on the decoded buffer once it has completed (division after
-the sum): divisions happen in the buffer's own precision, never in a narrow wire type.
+``bytes_sent`` counts the payload bytes this rank handed to collectives (for gossip, once per
+neighbor it sends to).
 """
 
 from __future__ import annotations
@@ -19,54 +26,155 @@ import torch
 from mpi4py import MPI
 
 from ..core.communication import IN_PLACE, MPICommunication, Request, sanitize_comm
+from ..core.topology import NeighborGraph, Topology
 
-__all__ = ["Reducer", "AllReduce"]
+__all__ = ["Reducer", "AllReduce", "Hierarchical", "Gossip"]
 
 _OPS = {"avg": MPI.SUM, "custom_avg": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 class Reducer:
-    """Base class: ``prepare(buffer)``, ``start(payload) -> Request``, ``finish(buffer)``."""
+    """Base class: a sum over ``comm`` without division."""
 
-    comm: MPICommunication
+    mixes = False  # a Sum round is a neighbor mix, not a sum (only for value payloads)
 
-    def prepare(self, buffer: torch.Tensor) -> None:
-        """Before encoding (default: nothing)."""
+    def __init__(self, comm: MPICommunication | None = None) -> None:
+        self.comm = sanitize_comm(comm)
+        self.bytes_sent = 0
 
-    def start(self, payload: torch.Tensor) -> Request:
-        raise NotImplementedError
+    def prepare(self, values: torch.Tensor) -> None:
+        """Before the codec runs (default: nothing)."""
 
-    def finish(self, buffer: torch.Tensor) -> None:
-        """After decoding (default: nothing)."""
+    def finish(self, values: torch.Tensor) -> None:
+        """After the codec's last round (default: nothing)."""
+
+    def combine(self, t: torch.Tensor):
+        """Operation: sum ``t`` over the ranks, in place."""
+        self.bytes_sent += _nbytes(t)
+        yield self.comm.Iallreduce(IN_PLACE, t, MPI.SUM)
+
+    def start_flags(self, flags: torch.Tensor) -> Request:
+        """Start the exact sum of per-parameter use counters."""
+        return self.comm.Iallreduce(IN_PLACE, flags, MPI.SUM)
+
+    def gather(self, tensors: list[torch.Tensor], variable: bool = False):
+        """Operation returning ``result[r][i]``: tensor i of rank r."""
+        comm = self.comm
+        parts = []
+        for t in tensors:
+            self.bytes_sent += _nbytes(t)
+            t = t.contiguous()
+            if variable:
+                counts = torch.empty(comm.size, dtype=torch.int64)
+                yield comm.Iallgather(torch.tensor([t.numel()]), counts)
+                counts = counts.tolist()
+                out = torch.empty(sum(counts), dtype=t.dtype, device=t.device)
+                yield comm.Iallgatherv(t, (out, counts))
+                parts.append(list(out.split(counts)))
+            else:
+                out = torch.empty(comm.size * t.numel(), dtype=t.dtype, device=t.device)
+                yield comm.Iallgather(t, out)
+                parts.append(list(out.view(comm.size, -1)))
+        return [list(per_rank) for per_rank in zip(*parts)]
 
 
 class AllReduce(Reducer):
-    """One all-reduce per payload over ``comm`` (see the module docstring for ``op``)."""
+    """Flat all-reduce over ``comm`` (see the module docstring for ``op``)."""
 
     def __init__(self, comm: MPICommunication | None = None, op: str = "avg",
                  divide_before: bool = False, denom: float | None = None) -> None:
+        super().__init__(comm)
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-        if op == "custom_avg" and (denom is None or denom <= 0):
+        if op == "custom_avg" and denom is not None and denom <= 0:
             raise ValueError("op='custom_avg' needs a positive denom")
         if divide_before and op not in ("avg", "custom_avg"):
             raise ValueError("divide_before only applies to op='avg' or 'custom_avg'")
-        self.comm = sanitize_comm(comm)
         self.op = op
         self.divide_before = divide_before
-        self.denom = float(self.comm.size if op == "avg" else denom or 1.0)
+        self.denom = float(self.comm.size if op == "avg" else (denom or 1.0))
+
+    def set_denom(self, denom: float) -> None:
+        """The denominator of ``custom_avg`` for the next exchanges."""
+        if not denom > 0:
+            raise ValueError(f"denom must be positive, got {denom!r}")
+        self.denom = float(denom)
 
     @property
     def _divides(self) -> bool:
         return self.op in ("avg", "custom_avg")
 
-    def prepare(self, buffer: torch.Tensor) -> None:
+    def prepare(self, values: torch.Tensor) -> None:
         if self._divides and self.divide_before:
-            buffer.div_(self.denom)
+            values.div_(self.denom)
 
-    def start(self, payload: torch.Tensor) -> Request:
-        return self.comm.Iallreduce(IN_PLACE, payload, _OPS[self.op])
+    def combine(self, t: torch.Tensor):
+        self.bytes_sent += _nbytes(t)
+        yield self.comm.Iallreduce(IN_PLACE, t, _OPS[self.op])
 
-    def finish(self, buffer: torch.Tensor) -> None:
+    def gather(self, tensors: list[torch.Tensor], variable: bool = False):
+        if self.op in ("min", "max"):
+            raise ValueError(f"op={self.op!r} needs a linear codec (identity or cast)")
+        return (yield from super().gather(tensors, variable))
+
+    def finish(self, values: torch.Tensor) -> None:
         if self._divides and not self.divide_before:
-            buffer.div_(self.denom)
+            values.div_(self.denom)
+
+
+class Hierarchical(AllReduce):
+    """Node-local reduce, cross-node all-reduce among each node's local rank 0, node-local
+    broadcast (``topology`` defaults to the communicator's)."""
+
+    def __init__(self, comm: MPICommunication | None = None, op: str = "avg",
+                 divide_before: bool = False, denom: float | None = None,
+                 topology: Topology | None = None) -> None:
+        super().__init__(comm, op, divide_before, denom)
+        if topology is None:
+            from ..core.topology import get_topology
+
+            topology = get_topology(self.comm)
+        self.topology = topology
+
+    def combine(self, t: torch.Tensor):
+        topo, op = self.topology, _OPS[self.op]
+        node = topo.node_comm
+        self.bytes_sent += _nbytes(t)
+        if node.size > 1:
+            yield node.Ireduce(IN_PLACE if topo.is_leader else t, t if topo.is_leader else None,
+                               op, 0)
+        if topo.is_leader and topo.num_nodes > 1:
+            yield topo.cross_comm.Iallreduce(IN_PLACE, t, op)
+        if node.size > 1:
+            yield node.Ibcast(t, 0)
+
+
+class Gossip(Reducer):
+    """Average with neighbors: a ``Sum`` round computes ``x_i <- W_ii x_i + sum_j W_ij x_j``."""
+
+    mixes = True
+
+    def __init__(self, graph: NeighborGraph) -> None:
+        super().__init__(graph.comm)
+        self.graph = graph
+
+    def combine(self, t: torch.Tensor):
+        graph = self.graph
+        neighbors = graph.neighbors
+        self.bytes_sent += _nbytes(t) * len(neighbors)
+        received = torch.empty(len(neighbors) * t.numel(), dtype=t.dtype, device=t.device)
+        yield graph.graph_comm.Ineighbor_allgather(t, received)
+        t.mul_(graph.self_weight)
+        for w, x in zip(graph.weights, received.view(len(neighbors), -1)):
+            t.add_(x, alpha=w)
+
+    def gather(self, tensors, variable=False):
+        raise ValueError("gossip averages values: use a codec that sends them (identity or cast)")
+        yield  # pragma: no cover
+
+    def start_flags(self, flags: torch.Tensor) -> Request:
+        raise ValueError("gossip averaging is for models, not gradient buckets with flags")

@@ -1,0 +1,114 @@
+"""The exchange protocol between codecs and reducers, and its driver.
+
+A codec describes how a flat float tensor travels as a *generator of rounds* (``Codec.rounds``).
+Each round it yields one message and receives the result:
+
+* ``Sum(tensor)``: the reducer combines ``tensor`` across ranks in place (a sum for the all-reduce
+  reducers, a weighted neighbor mix for gossip) and sends back the tensor;
+* ``Gather(tensors, variable)``: every rank contributes ``tensors``; the reducer sends back
+  ``result[r][i]`` = tensor i of rank r (``variable``: sizes differ between ranks).
+
+When the generator ends, the tensor it was given holds the *sum over ranks* (exact, or the
+codec's approximation of it). :func:`exchange` drives one codec over one tensor with a reducer as a
+heatlike operation generator (``heatlike.core._requests``): wrapped in a ``Request`` it runs
+non-blocking, with the reducer's collectives as its phases and the codec's local computations
+between them, and finalizes on every completion path; run by ``drive`` it blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core._requests import Operation
+
+__all__ = ["Sum", "Gather", "Context", "exchange"]
+
+
+@dataclass
+class Sum:
+    """Combine ``tensor`` across ranks, in place."""
+
+    tensor: torch.Tensor
+
+
+@dataclass
+class Gather:
+    """Collect ``tensors`` of every rank (``variable``: their sizes differ between ranks)."""
+
+    tensors: list[torch.Tensor]
+    variable: bool = False
+
+
+Rounds = Generator[Sum | Gather, object, None]
+
+
+@dataclass
+class Context:
+    """What a codec may know about the tensor it encodes.
+
+    ``key`` identifies the tensor across steps (its state lives under it), ``shapes`` the shapes
+    of the parameters laid out one after the other in it (for codecs that see matrices), ``step``
+    counts the exchanges of this key, ``size`` / ``rank`` describe the communicator, ``seed`` is
+    common to all ranks (shared random choices)."""
+
+    key: object
+    shapes: list[torch.Size]
+    size: int
+    rank: int
+    step: int = 0
+    seed: int = 0
+    state: dict = field(default_factory=dict)
+
+    def generator(self, salt: int = 0, shared: bool = True) -> torch.Generator:
+        """A generator seeded from (seed, key, step, salt), the same on every rank if
+        ``shared``, else also from the rank. Never the global RNG."""
+        parts = (self.seed, *_integers(self.key), self.step, salt,
+                 0 if shared else self.rank + 1)
+        value = 0
+        for part in parts:
+            value = (value * 1_000_003 + int(part)) % (2**63 - 1)
+        return torch.Generator(device="cpu").manual_seed(value)
+
+
+def _integers(key: object) -> tuple[int, ...]:
+    """A key as integers, identical in every process (Python's hash of strings is not)."""
+    if isinstance(key, int):
+        return (key,)
+    if isinstance(key, tuple):
+        return tuple(i for k in key for i in _integers(k))
+    if isinstance(key, str):
+        return tuple(key.encode())
+    raise TypeError(f"exchange keys are ints, strings or tuples of them, got {type(key)}")
+
+
+def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
+             flags: torch.Tensor | None = None) -> Operation:
+    """Average (or otherwise reduce) ``values`` over ranks with ``codec`` and ``reducer``.
+
+    Operation generator; afterwards ``values`` holds the reducer's result (e.g. the average).
+    ``flags`` (per-parameter use counters of a gradient bucket, kept apart from ``values``) are
+    summed exactly with a small extra all-reduce; codecs that keep small integers exact
+    (``codec.carries_flags``: identity, cast) can instead be given values and flags as one tensor.
+    """
+    reducer.prepare(values)
+    flag_request = None
+    if flags is not None:
+        flag_request = reducer.start_flags(flags)
+    rounds = codec.rounds(values, ctx)
+    message = next(rounds, None)
+    while message is not None:
+        if isinstance(message, Sum):
+            yield from reducer.combine(message.tensor)
+            result = message.tensor
+        else:
+            result = yield from reducer.gather(message.tensors, message.variable)
+        try:
+            message = rounds.send(result)
+        except StopIteration:
+            message = None
+    if flag_request is not None:
+        yield flag_request
+    reducer.finish(values)
