@@ -318,10 +318,11 @@ class PowerSGD(Codec):
     M = gradient + residual and Q an m x r matrix (random from a seed all ranks share, or the last
     averaged Q with ``reuse_query``):
 
-        P = M Q            summed over ranks (one round for all matrices and the 1-D tensors)
-        P = orth(P)        (QR)
-        Q = M^T P          summed over ranks (second round)
-        sum of M  ~  P Q^T,    residual <- M - P Q^T / ranks
+        P = M Q              summed over ranks (one round for all matrices and the 1-D tensors)
+        P = orth(P)          (QR; the same on every rank)
+        Q_r = M^T P          this rank's factor; Q = sum of Q_r over ranks (second round)
+        sum of M  ~  P Q^T,  residual <- M - P Q_r^T (this rank's own compression error,
+                                                      Algorithm 2 of the paper)
 
     With rank >= min(n, m) the approximation is exact. Compression happens at any world size
     (the result does not depend on it); the global RNG is never touched.
@@ -379,17 +380,16 @@ class PowerSGD(Codec):
         for s in plain:
             x[s] = first[offset:offset + (s.stop - s.start)]
             offset += s.stop - s.start
-        second = torch.cat([(m.t() @ p).reshape(-1) for (_, _, m), p in zip(matrices, ps)]) \
-            if matrices else x[:0]
+        local_qs = [m.t() @ p for (_, _, m), p in zip(matrices, ps)]
+        second = torch.cat([q.reshape(-1) for q in local_qs]) if matrices else x[:0]
         yield Sum(second)
         offset = 0
-        for (i, piece, m), p in zip(matrices, ps):
-            q = second[offset:offset + m.shape[1] * p.shape[1]].view(m.shape[1], p.shape[1])
+        for (i, piece, m), p, q_local in zip(matrices, ps, local_qs):
+            q = second[offset:offset + q_local.numel()].view(q_local.shape)
             offset += q.numel()
-            approx = p @ q.t()
-            x[piece] = approx.reshape(-1)
-            if self.error_feedback:
-                total[piece] = (m - approx / ctx.size).reshape(-1)
+            x[piece] = (p @ q.t()).reshape(-1)
+            if self.error_feedback:  # what this rank's own decompression missed
+                total[piece] = (m - p @ q_local.t()).reshape(-1)
             if self.reuse_query:
                 queries[i] = q / ctx.size
         if self.error_feedback:

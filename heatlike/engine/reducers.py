@@ -165,6 +165,8 @@ class Gossip(Reducer):
     def combine(self, t: torch.Tensor):
         graph = self.graph
         neighbors = graph.neighbors
+        if not neighbors:  # a single rank: nothing to mix
+            return
         self.bytes_sent += _nbytes(t) * len(neighbors)
         received = torch.empty(len(neighbors) * t.numel(), dtype=t.dtype, device=t.device)
         yield graph.graph_comm.Ineighbor_allgather(t, received)

@@ -1,0 +1,273 @@
+"""Codecs and reducers of the engine, through ``exchange``, against references every rank
+computes from every rank's (deterministic) data."""
+
+import math
+
+import pytest
+import torch
+
+import heatlike as hl
+from heatlike.core._requests import Request
+from heatlike.core.topology import NeighborGraph, Topology
+from heatlike.engine import (
+    AllReduce,
+    Cast,
+    Context,
+    Gossip,
+    Hierarchical,
+    Identity,
+    PowerSGD,
+    RandomBlock,
+    RandomK,
+    ScaledSign,
+    Sign,
+    Threshold,
+    TopK,
+    exchange,
+)
+from heatlike.engine.codecs import pack_bits, unpack_bits
+
+pytestmark = pytest.mark.mpi
+
+
+def _x(rank, n=64, step=0, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + 10 * rank + step)
+    return torch.randn(n, generator=g)
+
+
+def _run(codec, x, comm, reducer=None, key=0, step=0, shapes=None):
+    reducer = reducer or AllReduce(comm, op="sum")
+    ctx = Context(key=key, shapes=shapes or [x.shape], size=comm.size, rank=comm.rank,
+                  step=step, state=codec.state_for(key))
+    Request(exchange(x, codec, reducer, ctx)).Wait()
+    return x
+
+
+def _sum_of(tensors):
+    return torch.stack(tensors).sum(0)
+
+
+def test_identity_and_cast(comm):
+    xs = [_x(r) for r in range(comm.size)]
+    assert torch.allclose(_run(Identity(), xs[comm.rank].clone(), comm), _sum_of(xs), atol=1e-5)
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float16, 3e-3)):
+        got = _run(Cast(dtype), xs[comm.rank].clone(), comm)
+        expected = _sum_of([x.to(dtype).float() for x in xs]).to(dtype).float()
+        assert torch.allclose(got, expected, atol=tol), dtype
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(k=5), lambda: TopK(ratio=0.1),
+                                  lambda: Threshold(1.0), lambda: RandomK(k=7),
+                                  lambda: RandomK(k=7, shared=False), lambda: RandomBlock(k=9),
+                                  lambda: RandomBlock(ratio=0.2, shared=False)],
+                         ids=["topk-k", "topk-ratio", "threshold", "randomk", "randomk-own",
+                              "randomblock", "randomblock-own"])
+def test_sparsifiers_send_the_selection_and_keep_the_rest(comm, make):
+    """Each rank sends exactly its selection; the decoded tensor is the sum of every rank's
+    selection; sent + residual == input (error feedback loses nothing)."""
+    codec = make()
+    n = 64
+    reducer = AllReduce(comm, op="sum")
+    xs = [_x(r, n) for r in range(comm.size)]
+    got = _run(codec, xs[comm.rank].clone(), comm, reducer)
+    residual = codec.state_for(0)["residual"]
+    sent = xs[comm.rank] - residual
+    nonzero = int((sent != 0).sum())
+    if isinstance(codec, TopK):
+        k = 5 if codec.k else math.ceil(0.1 * n)
+        assert nonzero == k
+        assert reducer.bytes_sent == k * 4 + k * 4  # int32 index + float32 value
+        kept = torch.topk(xs[comm.rank].abs(), k).values.min()
+        assert bool((sent[sent != 0].abs() >= kept).all())
+    elif isinstance(codec, Threshold):
+        assert bool((sent[sent != 0].abs() >= 1.0).all())
+        assert bool((residual.abs() < 1.0).all())
+    else:
+        k = codec.k or math.ceil(codec.ratio * n)
+        assert nonzero == k
+        assert reducer.bytes_sent == (k * 4 if codec.shared else k * 8)
+    everyone = torch.empty(comm.size * n)
+    comm.Allgather(sent, everyone)
+    assert torch.allclose(got, everyone.view(comm.size, n).sum(0), atol=1e-5)
+    if getattr(codec, "shared", False):  # the same indices on every rank
+        mask = (sent != 0).float()
+        masks = torch.empty(comm.size * n)
+        comm.Allgather(mask, masks)
+        assert bool((masks.view(comm.size, n) == mask).all())
+
+
+def test_topk_picks_largest_magnitudes_below_one(comm):
+    """All |x| < 1 (SINGA truncated |x| to int and picked the first k indices)."""
+    x = torch.linspace(-0.9, 0.9, 50)[torch.randperm(50, generator=torch.Generator()
+                                                     .manual_seed(3))]
+    codec = TopK(k=4, error_feedback=True)
+    _run(codec, x.clone(), hl.MPI_SELF)
+    sent = x - codec.state_for(0)["residual"]
+    assert set(sent.nonzero().view(-1).tolist()) == set(x.abs().topk(4).indices.tolist())
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_sign_codecs(comm, scaled):
+    xs = [_x(r, 37) for r in range(comm.size)]
+    codec = ScaledSign() if scaled else Sign()
+    reducer = AllReduce(comm, op="sum")
+    got = _run(codec, xs[comm.rank].clone(), comm, reducer)
+    signs = [torch.where(x >= 0, 1.0, -1.0) for x in xs]
+    if scaled:
+        expected = _sum_of([x.abs().mean() * s for x, s in zip(xs, signs)])
+        residual = codec.state_for(0)["residual"]
+        me = xs[comm.rank]
+        assert torch.allclose(residual, me - me.abs().mean() * signs[comm.rank])
+        assert reducer.bytes_sent == math.ceil(37 / 8) + 4
+    else:
+        expected = _sum_of(signs)
+        assert reducer.bytes_sent == math.ceil(37 / 8)
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_bit_packing_roundtrip():
+    bits = torch.rand(1000, generator=torch.Generator().manual_seed(1)) > 0.5
+    packed = pack_bits(bits)
+    assert packed.numel() == 125 and packed.dtype == torch.uint8
+    assert torch.equal(unpack_bits(packed, 1000), bits)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_powersgd_full_rank_is_exact(comm, reuse):
+    """rank >= min(n, m): the decoded sum equals the exact sum; 1-D tensors pass untouched."""
+    shapes = [torch.Size([6, 4]), torch.Size([5]), torch.Size([3, 2, 2])]
+    n = sum(math.prod(s) for s in shapes)
+    xs = [_x(r, n, seed=5) for r in range(comm.size)]
+    codec = PowerSGD(rank=4, reuse_query=reuse)
+    got = _run(codec, xs[comm.rank].clone(), comm, shapes=shapes)
+    assert torch.allclose(got, _sum_of(xs), atol=1e-4)
+    # each rank keeps what the shared basis misses of its own matrix; together nothing
+    residual = codec.state_for(0)["residual"]
+    total = residual.clone()
+    comm.Allreduce(hl.IN_PLACE, total)
+    assert torch.allclose(total, torch.zeros(n), atol=1e-4)
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=1), lambda: PowerSGD(rank=2,
+                                                                              reuse_query=True),
+                                  lambda: TopK(k=3), lambda: RandomK(k=4), lambda: ScaledSign()],
+                         ids=["powersgd-1", "powersgd-2-warm", "topk", "randomk", "ef-sign"])
+def test_error_feedback_tracks_the_true_sum(comm, make):
+    """With a fixed gradient per rank, sum_t (applied update) = T * mean gradient - mean
+    residual: the compression error does not accumulate."""
+    shapes = [torch.Size([8, 5]), torch.Size([4])]
+    n = 44
+    codec = make()
+    grads = [_x(r, n, seed=9) for r in range(comm.size)]
+    mean = _sum_of(grads) / comm.size
+    applied = torch.zeros(n)
+    T = 40
+    for t in range(T):
+        out = _run(codec, grads[comm.rank].clone(), comm, AllReduce(comm), step=t, shapes=shapes)
+        applied += out
+    residual = codec.state_for(0)["residual"]
+    everyone = torch.empty(comm.size * n)
+    comm.Allgather(residual, everyone)
+    mean_residual = everyone.view(comm.size, n).mean(0)
+    assert torch.allclose(applied, T * mean - mean_residual, atol=1e-3)
+    assert (applied / T - mean).norm() < 0.25 * mean.norm()
+
+
+def test_hierarchical_equals_flat(comm, monkeypatch):
+    for per_node in (1, 2, 3):
+        monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
+        topo = Topology(comm)
+        try:
+            xs = [_x(r, 33) for r in range(comm.size)]
+            for op in ("avg", "max"):
+                red = Hierarchical(comm, op=op, topology=topo)
+                got = _run(Identity(), xs[comm.rank].clone(), comm, red)
+                stacked = torch.stack(xs)
+                expected = stacked.mean(0) if op == "avg" else stacked.amax(0)
+                assert torch.allclose(got, expected, atol=1e-5), (per_node, op)
+        finally:
+            topo.free()
+
+
+@pytest.mark.parametrize("kind", ["ring", "torus", "exponential", "complete"])
+@pytest.mark.parametrize("weights", ["metropolis", "uniform"])
+def test_gossip_preserves_average_and_contracts(comm, kind, weights):
+    graph = getattr(NeighborGraph, kind)(comm, weights=weights)
+    regular = len({len(a) for a in graph.adjacency}) == 1
+    try:
+        x = _x(comm.rank, 20, seed=2)
+        everyone = torch.empty(comm.size * 20)
+
+        def stats(t):
+            comm.Allgather(t, everyone)
+            xs = everyone.view(comm.size, 20)
+            return xs.mean(0), ((xs - xs.mean(0)) ** 2).sum(1).mean().item()
+
+        mean0, dist0 = stats(x)
+        for _ in range(5):
+            _run(Identity(), x, comm, Gossip(graph))
+        mean5, dist5 = stats(x)
+        if weights == "metropolis" or regular:
+            assert torch.allclose(mean5, mean0, atol=1e-5)
+        if comm.size > 1:
+            assert dist5 < dist0 * 0.9
+    finally:
+        graph.free()
+
+
+def test_graph_validation(comm):
+    size, r = comm.size, comm.rank
+    if size >= 3:  # asymmetric: rank 0 lists 1, but 1 does not list 0
+        nbrs = [1] if r == 0 else [j for j in range(size) if j not in (r, 0)] or [2]
+        with pytest.raises(ValueError, match="symmetric"):
+            NeighborGraph(comm, nbrs)
+    if size >= 4:  # two disconnected pairs
+        with pytest.raises(ValueError, match="not connected"):
+            NeighborGraph(comm, [r ^ 1])
+    with pytest.raises(ValueError, match="itself"):
+        NeighborGraph(comm, [r])
+    with pytest.raises(ValueError, match="not a rank"):
+        NeighborGraph(comm, [size + 3])
+    with pytest.raises(ValueError, match="weights"):
+        NeighborGraph(comm, [], weights="random")
+    g = NeighborGraph.from_adjacency(comm, [[j for j in range(size) if j != i]
+                                            for i in range(size)])
+    assert g.neighbors == [j for j in range(size) if j != r]  # rank 0 included like any other
+    g.free()
+
+
+def test_variable_gather_and_reducer_validation(comm):
+    red = AllReduce(comm, op="sum")
+    parts = [torch.arange(comm.rank + 1, dtype=torch.float32)]
+    result = drive_gather(red, parts)
+    assert [len(x[0]) for x in result] == list(range(1, comm.size + 1))
+    with pytest.raises(ValueError, match="op"):
+        AllReduce(comm, op="median")
+    with pytest.raises(ValueError, match="divide_before"):
+        AllReduce(comm, op="sum", divide_before=True)
+    with pytest.raises(ValueError, match="denom"):
+        AllReduce(comm, op="custom_avg").set_denom(0)
+    with pytest.raises(ValueError, match="k and ratio"):
+        TopK()
+    with pytest.raises(ValueError, match="rank"):
+        PowerSGD(rank=0)
+
+
+def drive_gather(reducer, tensors):
+    gen = reducer.gather(tensors, variable=True)
+    try:
+        while True:
+            next(gen).Wait()
+    except StopIteration as stop:
+        return stop.value
+
+
+def test_codec_state_round_trip(comm):
+    codec = PowerSGD(rank=1, reuse_query=True)
+    _run(codec, _x(comm.rank, 12), comm, shapes=[torch.Size([3, 4])])
+    state = codec.state_dict()
+    other = PowerSGD(rank=1, reuse_query=True)
+    other.load_state_dict(state)
+    assert torch.equal(other.state_for(0)["residual"], codec.state_for(0)["residual"])
+    with pytest.raises(ValueError, match="codec"):
+        TopK(k=1).load_state_dict(state)
