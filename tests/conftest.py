@@ -3,6 +3,12 @@
 import pytest
 
 import heatlike as hl
+from heatlike.utils import configure_threads
+
+
+def pytest_sessionstart(session):
+    # several ranks share this machine's cores: give each its share of torch threads
+    configure_threads()
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """``python -m heatlike.bench SUITE [SUITE ...] [--quick] [--json PATH]`` under mpiexec / srun.
 
 Suites: comm (MPICommunication overhead and half-type all-reduce), dp (DataParallel against
-PyTorch DDP), daso (DASO against blocking DataParallel on two emulated nodes). ``all`` runs every
-suite.
+PyTorch DDP), daso (DASO against blocking DataParallel on two emulated nodes), algorithms (every
+distributed optimizer: bytes, step time, accuracy). ``all`` runs every suite.
 Figures are medians over interleaved rounds, each round timed by its slowest rank.
 """
 
@@ -13,10 +13,10 @@ import sys
 
 from mpi4py import MPI
 
-from . import comm, daso, dp
+from . import algorithms, comm, daso, dp
 from ._common import Results
 
-SUITES = {"comm": comm.run, "dp": dp.run, "daso": daso.run}
+SUITES = {"comm": comm.run, "dp": dp.run, "daso": daso.run, "algorithms": algorithms.run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,4 +18,5 @@ from .codecs import (  # noqa: F401
 from .exchange import Context, Gather, Sum, exchange  # noqa: F401
 from .gradsync import GradientSync  # noqa: F401
 from .links import SimulatedLink, SlowLinkAllReduce  # noqa: F401
+from .paramsync import ParameterSync  # noqa: F401
 from .reducers import AllReduce, Gossip, Hierarchical, Reducer  # noqa: F401

@@ -34,6 +34,7 @@ Hooks also ``Test`` the requests in flight, which lets MPI progress them during 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -48,6 +49,16 @@ from .reducers import AllReduce, Reducer
 __all__ = ["GradientSync"]
 
 MiB = 1 << 20
+
+
+def _complete_all(requests: dict) -> None:
+    from mpi4py import MPI
+
+    if MPI.Is_finalized():
+        return
+    for request in requests.values():
+        if not request.done:
+            request.Wait()
 
 
 class GradientSync:
@@ -88,6 +99,8 @@ class GradientSync:
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params] if hooks else []
+        # requests still in flight when the program ends are completed, not left to MPI_Finalize
+        weakref.finalize(self, _complete_all, self._requests)
 
     def _plan(self, order: list[torch.nn.Parameter]) -> None:
         self.buckets: list[Bucket] = plan_buckets(order, *self._caps)
@@ -168,7 +181,7 @@ class GradientSync:
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
                       state=self.codec.state_for(b))
         self._exchanges[b] += 1
-        if self.codec.carries_flags:
+        if self.codec.carries_flags and getattr(self.reducer, "sums", True):
             return exchange(bucket.buffer, self.codec, self.reducer, ctx)
         return exchange(bucket.values, self.codec, self.reducer, ctx, bucket.flags)
 

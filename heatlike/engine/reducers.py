@@ -108,6 +108,11 @@ class AllReduce(Reducer):
     def _divides(self) -> bool:
         return self.op in ("avg", "custom_avg")
 
+    @property
+    def sums(self) -> bool:
+        """Whether the reduction adds (use counters may then ride in the payload)."""
+        return self.op not in ("min", "max")
+
     def prepare(self, values: torch.Tensor) -> None:
         if self._divides and self.divide_before:
             values.div_(self.denom)

@@ -42,6 +42,7 @@ and batches_to_wait floored at 1); on a plateau at global_skip == 1 they restart
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -155,6 +156,8 @@ class DASO:
         self.amp = False
         self.scaler = None
         self.trace: list[tuple] | None = None  # set to [] to record (epoch, batch, event, ...)
+        self._pending: list[_Sync] = []
+        weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
         self.reset()
@@ -178,10 +181,8 @@ class DASO:
 
     def reset(self) -> None:
         """Back to the state before the first epoch (schedule, plateau detector, counters)."""
-        for sync in getattr(self, "_pending", []):
-            for r in sync.requests:
-                r.Wait()
-        self._pending: list[_Sync] = []
+        _complete_pending(self._pending)
+        self._pending.clear()
         self.stability.reset()
         self.epoch = 0
         self.current_batch = 0
@@ -381,6 +382,16 @@ class DASO:
         self.batches_to_wait, self._send_mod = state["batches_to_wait"], state["send_mod"]
         self.stability.load_state_dict(state["stability"])
         self._ref.copy_(state["ref"])
+
+
+def _complete_pending(pending: list) -> None:
+    """Wait for the cross-node all-reduces still in flight (at reset, or when the program ends)."""
+    if MPI.Is_finalized():
+        return
+    for sync in pending:
+        for request in sync.requests:
+            if not request.done:
+                request.Wait()
 
 
 def _check_arguments(args: dict) -> Exception | None:

@@ -1,0 +1,193 @@
+"""mlbench-core's aggregation API (``mlbench_core.aggregation.pytorch``) on the heatlike engine.
+
+An :class:`Aggregation` combines tensors across ranks through one codec and one reducer:
+``agg_grad(by_layer)`` / ``agg_model(by_layer)`` return the function
+``(model, op="avg", denom=None) -> None`` that replaces every gradient / parameter of ``model`` by
+its aggregate, one collective per tensor (``by_layer=True``) or one flat buffer for the model;
+``_agg(data, op, denom)`` aggregates one tensor in place. ``op`` is ``"avg"``, ``"custom_avg"``
+(divide by ``denom``), ``"sum"``, ``"min"`` or ``"max"``.
+
+Gradients that are None on some ranks count as zeros there and stay None on the ranks where no
+rank had one (mlbench crashed on None gradients).
+
+=============================  ======================================================
+class                          codec / reducer
+=============================  ======================================================
+AllReduceAggregation           identity / flat all-reduce (``divide_before`` option)
+AllReduceAggregationHVD        identity / hierarchical all-reduce (Horovod's fusion and
+                               hierarchical all-reduce, on MPI, no Horovod needed)
+SparsifiedAggregation          top-k with error feedback / all-gather of (index, value)
+PowerAggregation               PowerSGD rank r (warm start with ``reuse_query``) / all-reduce
+DecentralizedAggregation       identity / gossip with ``neighbors``
+=============================  ======================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .core.communication import MPICommunication, Request, sanitize_comm
+from .core.topology import NeighborGraph
+from .engine import codecs
+from .engine.exchange import Context, exchange
+from .engine.gradsync import GradientSync
+from .engine.paramsync import ParameterSync
+from .engine.reducers import AllReduce, Gossip, Hierarchical, Reducer
+from .optim.centralized import resolve_world_size
+
+__all__ = ["Aggregation", "AllReduceAggregation", "AllReduceAggregationHVD",
+           "SparsifiedAggregation", "PowerAggregation", "DecentralizedAggregation",
+           "ALLREDUCE_AGGREGATION_OPS"]
+
+ALLREDUCE_AGGREGATION_OPS = ("avg", "custom_avg", "sum", "min", "max")
+
+
+class Aggregation:
+    """Aggregate gradients or weights across ranks with ``codec`` and a reducer."""
+
+    def __init__(self, use_cuda: bool = False, *, comm: MPICommunication | None = None,
+                 codec: codecs.Codec | None = None) -> None:
+        self.comm = sanitize_comm(comm)
+        self.use_cuda = use_cuda
+        self.codec = codec if codec is not None else codecs.Identity()
+        self._plans: dict = {}
+        self._calls = 0
+
+    def _reducer(self, op: str, denom) -> Reducer:
+        """The reducer for one call (subclasses: all-reduce, hierarchical, gossip)."""
+        if op not in ALLREDUCE_AGGREGATION_OPS:
+            raise ValueError(f"op must be one of {ALLREDUCE_AGGREGATION_OPS}, got {op!r}")
+        if op == "custom_avg" and (denom is None or float(denom) <= 0):
+            raise ValueError("op='custom_avg' needs a positive denom")
+        return AllReduce(self.comm, op=op, denom=None if denom is None else float(denom),
+                         divide_before=getattr(self, "divide_before", False)
+                         and op in ("avg", "custom_avg"))
+
+    def _agg(self, data: torch.Tensor, op: str, denom=None) -> torch.Tensor:
+        """Aggregate the tensor ``data`` in place across ranks and return it."""
+        flat = data.view(-1) if data.is_contiguous() else data.reshape(-1)
+        ctx = Context(key=("agg", flat.numel()), shapes=[data.shape], size=self.comm.size,
+                      rank=self.comm.rank, step=self._calls,
+                      state=self.codec.state_for(("agg", flat.numel())))
+        self._calls += 1
+        Request(exchange(flat, self.codec, self._reducer(op, denom), ctx)).Wait()
+        if flat.data_ptr() != data.data_ptr():
+            data.copy_(flat.view(data.shape))
+        return data
+
+    def _plan(self, model: torch.nn.Module, kind: str, by_layer: bool):
+        key = (id(model), kind, by_layer)
+        plan = self._plans.get(key)
+        if plan is None:
+            params = list(model.parameters())
+            cap = 1e-6 if by_layer else 1e6
+            if kind == "grad":
+                plan = GradientSync(params, self.comm, cap, cap, codec=self.codec,
+                                    reducer=AllReduce(self.comm), hooks=False,
+                                    grad_as_bucket_view=False)
+            else:
+                plan = ParameterSync(params, self.comm, codec=self.codec, bucket_cap_mb=cap)
+            self._plans[key] = plan
+        return plan
+
+    def _run(self, model: torch.nn.Module, kind: str, by_layer: bool, op: str, denom) -> None:
+        plan = self._plan(model, kind, by_layer)
+        plan.reducer = self._reducer(op, denom)
+        if kind == "grad":
+            plan.launch_all()
+            plan.synchronize()
+        else:
+            plan.synchronize()
+
+    def _agg_gradients_by_layer(self, model, op="avg", denom=None) -> None:
+        self._run(model, "grad", True, op, denom)
+
+    def _agg_gradients_by_model(self, model, op="avg", denom=None) -> None:
+        self._run(model, "grad", False, op, denom)
+
+    def _agg_weights_by_layer(self, model, op="avg", denom=None) -> None:
+        self._run(model, "weight", True, op, denom)
+
+    def _agg_weights_by_model(self, model, op="avg", denom=None) -> None:
+        self._run(model, "weight", False, op, denom)
+
+    def agg_grad(self, by_layer: bool = False) -> Callable:
+        """The function aggregating a model's gradients."""
+        return self._agg_gradients_by_layer if by_layer else self._agg_gradients_by_model
+
+    def agg_model(self, by_layer: bool = False) -> Callable:
+        """The function aggregating a model's weights."""
+        return self._agg_weights_by_layer if by_layer else self._agg_weights_by_model
+
+
+class AllReduceAggregation(Aggregation):
+    """Sum all-reduce, then divide by the world size (``op="avg"``); ``divide_before`` divides
+    each contribution first."""
+
+    def __init__(self, world_size: int | None = None, divide_before: bool = False,
+                 use_cuda: bool = False, *, comm: MPICommunication | None = None,
+                 codec: codecs.Codec | None = None) -> None:
+        super().__init__(use_cuda, comm=comm, codec=codec)
+        self.world_size = resolve_world_size(world_size, self.comm)
+        self.divide_before = divide_before
+
+
+class AllReduceAggregationHVD(AllReduceAggregation):
+    """What Horovod adds over a plain all-reduce, on MPI: tensor fusion (by-model aggregation
+    packs all tensors into fused buffers) and hierarchical all-reduce (node-local reduce,
+    cross-node all-reduce among one rank per node, node-local broadcast)."""
+
+    def _reducer(self, op: str, denom) -> Reducer:
+        flat = super()._reducer(op, denom)
+        return Hierarchical(self.comm, op=flat.op, divide_before=flat.divide_before,
+                            denom=None if denom is None else float(denom))
+
+
+class SparsifiedAggregation(Aggregation):
+    """Top-k sparsified aggregation with error feedback: each rank sends its ``k`` (or a
+    ``ratio`` of) largest entries of gradient + residual as (index, value) pairs."""
+
+    def __init__(self, model: torch.nn.Module | None = None, use_cuda: bool = False, *,
+                 k: int | None = None, ratio: float | None = 0.01,
+                 comm: MPICommunication | None = None) -> None:
+        super().__init__(use_cuda, comm=comm,
+                         codec=codecs.TopK(k=k, ratio=None if k is not None else ratio))
+        self.model = model
+
+
+class PowerAggregation(Aggregation):
+    """PowerSGD aggregation (rank ``rank`` approximation with error feedback)."""
+
+    def __init__(self, model: torch.nn.Module | None = None, use_cuda: bool = False,
+                 reuse_query: bool = False, world_size: int | None = None, rank: int = 1, *,
+                 comm: MPICommunication | None = None) -> None:
+        super().__init__(use_cuda, comm=comm,
+                         codec=codecs.PowerSGD(rank, reuse_query=reuse_query))
+        self.world_size = resolve_world_size(world_size, self.comm)
+        self.model = model
+
+
+class DecentralizedAggregation(Aggregation):
+    """Average with ``neighbors`` only (gossip; Metropolis-Hastings weights by default, mlbench's
+    uniform weights with ``weights="uniform"``). ``op`` must be ``"avg"``."""
+
+    def __init__(self, rank: int | None = None, neighbors: Sequence[int] | None = None,
+                 use_cuda: bool = False, *, comm: MPICommunication | None = None,
+                 weights: str = "metropolis") -> None:
+        super().__init__(use_cuda, comm=comm)
+        if rank is not None and rank != self.comm.rank:
+            raise ValueError(f"rank={rank!r} but this process is rank {self.comm.rank}")
+        self.graph = NeighborGraph.ring(self.comm, weights) if neighbors is None else \
+            NeighborGraph(self.comm, neighbors, weights)
+
+    def _reducer(self, op: str, denom) -> Reducer:
+        if op != "avg":
+            raise ValueError("decentralized aggregation averages with neighbors (op='avg')")
+        return Gossip(self.graph)
+
+    def _agg_gradients_by_layer(self, model, op="avg", denom=None):
+        raise ValueError("decentralized aggregation mixes models; use agg_model")
+
+    _agg_gradients_by_model = _agg_gradients_by_layer

@@ -1,0 +1,110 @@
+"""``python -m heatlike.bench dndarray``: DNDarray operations at the running world size against
+numpy on one process with the same data.
+
+Cases, on float32 arrays of ``4096 x 4096`` (64 MiB; ``--quick`` runs fewer rounds of the same
+sizes) split along axis 0:
+
+* ``sum(axis=0)``: local column sums and one ``Allreduce`` of 4096 values;
+* ``a + b``: elementwise, both operands with the same layout, local;
+* ``resplit(0 -> 1)``: one ``Alltoallv`` moving the (P-1)/P of the elements that change owner;
+  numpy's reference is a copy of the array (the memory traffic of moving every element once),
+  and the achieved rate is reported in GB/s of data that changed rank;
+* ``a @ w``: a (0, None) matmul with ``w`` of ``4096 x 256`` replicated, local.
+
+The same data for numpy come from :mod:`heatlike.random` on rank 0 alone (values do not depend on
+the number of ranks). Distributed timings are medians over interleaved rounds, each the slowest
+rank's time; numpy runs on rank 0 while the other ranks sleep (not spin in MPI), so it has the
+machine to itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from .. import random as hrandom
+from ..core.communication import MPI_SELF, MPI_WORLD
+from ._common import Results, describe_environment, timed_rounds
+
+ROWS = COLS = 4096
+INNER = 256
+_TAG = 5731
+
+
+def _numpy_times(variants: dict, rounds: int) -> dict[str, float]:
+    """Median seconds per call of each variant on rank 0; the other ranks sleep meanwhile."""
+    comm = MPI_WORLD
+    out: dict[str, float] = {}
+    comm.Barrier()
+    if comm.rank == 0:
+        for name, fn in variants.items():
+            fn()
+            samples = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - start)
+            out[name] = statistics.median(samples)
+        for r in range(1, comm.size):
+            comm.handle.send(out, dest=r, tag=_TAG)
+    else:
+        while not comm.handle.Iprobe(source=0, tag=_TAG):
+            time.sleep(0.005)
+        out = comm.handle.recv(source=0, tag=_TAG)
+    return out
+
+
+def run(results: Results, quick: bool = False) -> None:
+    comm = MPI_WORLD
+    rank0 = comm.rank == 0
+    rounds = 3 if quick else 7
+    hrandom.seed(2024)
+    a = hrandom.rand(ROWS, COLS, split=0)
+    b = hrandom.rand(ROWS, COLS, split=0)
+    w = hrandom.rand(COLS, INNER)
+    mib = a.nbytes / 2 ** 20
+    if rank0:
+        print(f"# dndarray: float32 {ROWS} x {COLS} ({mib:.0f} MiB) split=0, "
+              f"{describe_environment(comm.handle)}, torch threads {torch.get_num_threads()}")
+        print(f"{'case':<18} {'heatlike ms':>11} {'numpy ms':>9} {'numpy/heatlike':>14}  note",
+              flush=True)
+    distributed = {
+        "sum(axis=0)": lambda: a.sum(axis=0),
+        "a + b": lambda: a + b,
+        "resplit(0 -> 1)": lambda: a.resplit(1),
+        "a @ w (0,None)": lambda: a @ w,
+    }
+    med = timed_rounds(distributed, 1, rounds, comm.handle)
+    references = {}
+    if rank0:
+        hrandom.seed(2024)
+        na = hrandom.rand(ROWS, COLS, comm=MPI_SELF).numpy()
+        nb = hrandom.rand(ROWS, COLS, comm=MPI_SELF).numpy()
+        nw = hrandom.rand(COLS, INNER, comm=MPI_SELF).numpy()
+        references = {
+            "sum(axis=0)": lambda: na.sum(axis=0),
+            "a + b": lambda: na + nb,
+            "resplit(0 -> 1)": lambda: na.copy(),
+            "a @ w (0,None)": lambda: na @ nw,
+        }
+        np.testing.assert_allclose((a @ w).numpy()[:4], na[:4] @ nw, rtol=1e-4)
+    else:
+        (a @ w).numpy()
+    ref = _numpy_times(references if rank0 else {}, rounds)
+    moved = a.nbytes * (comm.size - 1) / comm.size
+    for name, seconds in med.items():
+        ratio = ref[name] / seconds
+        note = ""
+        if name.startswith("resplit"):
+            rate = moved / seconds / 1e9
+            note = f"{rate:.2f} GB/s changed rank; numpy: a copy"
+            results.add("dndarray", name, "moved rate", rate, "GB/s")
+        results.add("dndarray", name, "heatlike time", seconds * 1e3, "ms")
+        results.add("dndarray", name, "numpy time", ref[name] * 1e3, "ms")
+        results.add("dndarray", name, "numpy/heatlike", ratio, "ratio")
+        if rank0:
+            print(f"{name:<18} {seconds * 1e3:11.2f} {ref[name] * 1e3:9.2f} {ratio:14.2f}  {note}",
+                  flush=True)

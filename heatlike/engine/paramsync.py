@@ -1,0 +1,60 @@
+"""Averaging parameters (rather than gradients) through the engine.
+
+:class:`ParameterSync` packs a list of tensors (model parameters, floating-point buffers) into
+buckets, runs every bucket's exchange (codec and reducer, all buckets in flight at once) and
+writes the result back: the average over ranks with :class:`~heatlike.engine.AllReduce`, the
+neighbor mix with :class:`~heatlike.engine.Gossip`. Used for mlbench's ``agg_grad=False`` mode
+(local step, then average the weights) and for decentralized SGD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..core.communication import MPICommunication, Request, sanitize_comm, wait_all
+from .buckets import pack, plan_buckets, unpack
+from .codecs import Codec, Identity
+from .exchange import Context, exchange
+from .reducers import AllReduce, Reducer
+
+__all__ = ["ParameterSync"]
+
+MiB = 1 << 20
+
+
+class ParameterSync:
+    """Replace ``tensors`` by their average (or mix) over ranks, bucket by bucket."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], comm: MPICommunication | None = None,
+                 codec: Codec | None = None, reducer: Reducer | None = None,
+                 bucket_cap_mb: float = 25.0, seed: int = 0) -> None:
+        self.comm = sanitize_comm(comm)
+        self.tensors = [t for t in tensors]
+        cap = max(1, int(bucket_cap_mb * MiB))
+        self.buckets = plan_buckets(self.tensors, cap, cap, flags=False)
+        self.codec = codec if codec is not None else Identity()
+        self.reducer = reducer if reducer is not None else AllReduce(self.comm)
+        self.seed = seed
+        self._steps = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.reducer.bytes_sent
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Collective: average (mix) the tensors in place."""
+        requests = []
+        for bucket in self.buckets:
+            data = [t.data for t in bucket.params]
+            pack(data, bucket.buffer)
+            ctx = Context(key=("param", bucket.index), shapes=[t.shape for t in data],
+                          size=self.comm.size, rank=self.comm.rank, step=self._steps,
+                          seed=self.seed, state=self.codec.state_for(("param", bucket.index)))
+            requests.append(Request(exchange(bucket.values, self.codec, self.reducer, ctx)))
+        wait_all(requests)
+        for bucket in self.buckets:
+            unpack(bucket.buffer, [t.data for t in bucket.params])
+        self._steps += 1

@@ -1,0 +1,80 @@
+"""Making the replicas of a module equal on every rank.
+
+:func:`check_replicas` verifies that every rank built the same module (names, shapes, dtypes,
+``requires_grad`` of parameters and buffers) and raises ValueError on every rank, naming the first
+difference, otherwise. :func:`broadcast_module` copies rank 0's parameters and buffers to every
+rank with one flat broadcast per dtype (or averages floating-point buffers): the way every
+heatlike wrapper and optimizer starts, instead of reseeding the global RNG (Heat) or leaving the
+replicas unequal (mlbench's gradient mode).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from mpi4py import MPI
+
+from ..core.communication import MPICommunication, sanitize_comm
+from .buckets import pack, unpack
+
+__all__ = ["check_replicas", "broadcast_module"]
+
+
+def _signature(module: torch.nn.Module) -> list[tuple]:
+    params = [("param", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+              for n, p in module.named_parameters()]
+    buffers = [("buffer", n, tuple(b.shape), str(b.dtype), False)
+               for n, b in module.named_buffers()]
+    return params + buffers
+
+
+def check_replicas(module: torch.nn.Module, comm: MPICommunication | None = None) -> None:
+    """Collective. Raise ValueError on every rank unless ``module`` has the same parameters and
+    buffers (names, shapes, dtypes, requires_grad) on every rank."""
+    comm = sanitize_comm(comm)
+    mine = _signature(module)
+    digest = hashlib.sha1(repr(mine).encode()).hexdigest()
+    digests = comm.handle.allgather(digest)
+    if len(set(digests)) == 1:
+        return
+    signatures = comm.handle.allgather(mine)
+    other = next(r for r, d in enumerate(digests) if d != digests[0])
+    a, b = signatures[0], signatures[other]
+    detail = f"rank 0 has {len(a)} parameters and buffers, rank {other} has {len(b)}"
+    for x, y in zip(a, b):
+        if x != y:
+            detail = (f"{x[0]} {x[1]!r} has shape {x[2]}, {x[3]}, requires_grad={x[4]} on "
+                      f"rank 0 but {y[0]} {y[1]!r} has shape {y[2]}, {y[3]}, "
+                      f"requires_grad={y[4]} on rank {other}")
+            break
+    raise ValueError(f"the module differs between ranks: {detail}")
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return groups
+
+
+@torch.no_grad()
+def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = None,
+                     root: int = 0, buffers_op: str = "broadcast") -> None:
+    """Collective. Make every rank's parameters and buffers equal to ``root``'s (one broadcast per
+    dtype); with ``buffers_op="average"``, floating-point buffers are averaged instead."""
+    comm = sanitize_comm(comm)
+    params = [p.data for p in module.parameters()]
+    floats = [b for b in module.buffers() if b.is_floating_point()]
+    others = [b for b in module.buffers() if not b.is_floating_point()]
+    to_broadcast = params + others + (floats if buffers_op == "broadcast" else [])
+    for tensors in _by_dtype(to_broadcast).values():
+        flat = pack(tensors)
+        comm.Bcast(flat, root=root)
+        unpack(flat, tensors)
+    if buffers_op == "average":
+        for tensors in _by_dtype(floats).values():
+            flat = pack(tensors)
+            comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+            flat.div_(comm.size)
+            unpack(flat, tensors)
