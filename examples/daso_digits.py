@@ -12,30 +12,17 @@ schedule, then ``test accuracy: 0.XXXX``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import torch
 from mpi4py import MPI
 from torch import nn
 
 import heatlike as hl
+from heatlike.bench.workloads import evaluate, load_digits_split, mlp
 from heatlike.nn import DataParallelMultiGPU
 from heatlike.optim import DASO
 from heatlike.utils import configure_threads
 from heatlike.utils.data import DataLoader, Dataset
-
-
-def _digits():
-    """The data and model helpers of examples/digits.py."""
-    name = "heatlike_example_digits"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("digits.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -48,12 +35,11 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true", help="print DASO's schedule decisions")
     args = p.parse_args(argv)
-    digits = _digits()
     comm = hl.MPI_WORLD
     configure_threads()
     log = hl.get_logger("daso-digits")
-    x_train, y_train, x_test, y_test = digits.load_data(args.seed)
-    net = digits.build_model(args.seed)
+    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
+    net = mlp([64, 128, 64, 10], args.seed)
     local = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     daso = DASO(local, total_epochs=args.epochs, comm=comm, warmup_epochs=args.warmup,
                 cooldown_epochs=args.cooldown, verbose=args.verbose)
@@ -78,7 +64,7 @@ def main(argv: list[str] | None = None) -> float:
         epoch_loss = float(total[0] / total[1])
         daso.epoch_loss_logic(epoch_loss, loss_globally_averaged=True)
         model.eval()
-        accuracy = digits.evaluate(model, x_test, y_test, comm)
+        accuracy = evaluate(model, x_test, y_test, comm)
         log.info("epoch %2d/%d  loss %.4f  test accuracy %.4f  (global_skip %d, local_skip %d, "
                  "batches_to_wait %d next)", epoch + 1, args.epochs, epoch_loss, accuracy,
                  daso.global_skip, daso.local_skip, daso.batches_to_wait)

@@ -5,9 +5,10 @@
 
 Every rank trains the same model on its slice of each global batch (``--batch-size`` samples per
 rank); heatlike.nn.DataParallel averages the gradients, so the run follows single-process training
-with a batch of ranks x batch-size samples. The test set is evaluated in shards, one per rank,
-combined with an all-reduce. Rank 0 prints the loss and test accuracy of every epoch and finally
-``test accuracy: 0.XXXX``.
+with a batch of ranks x batch-size samples. ``--algorithm NAME`` trains with any other algorithm
+of heatlike (PowerSGD, top-k, sign, gossip, ...; see ``--help``) instead. The test set is
+evaluated in shards, one per rank, combined with an all-reduce. Rank 0 prints the loss and test
+accuracy of every epoch and finally ``test accuracy: 0.XXXX``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import time
 
 import torch
 from mpi4py import MPI
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch import nn
 
 import heatlike as hl
+from heatlike.bench.workloads import ALGORITHMS, evaluate, load_digits_split, mlp, train_digits
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
 from heatlike.utils import configure_threads
@@ -41,33 +41,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(blocking=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="tqdm bar per epoch on rank 0")
+    p.add_argument("--algorithm", choices=sorted(ALGORITHMS),
+                   help="train with this algorithm of heatlike.bench.workloads instead "
+                        "(e.g. powersgd-2, topk-1%%, decentralized)")
     return p.parse_args(argv)
 
 
 def load_data(seed: int):
     """Standardized train/test split of the digits, identical on every rank."""
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        x, y, test_size=0.2, random_state=seed, stratify=y)
-    mean, std = x_train.mean(0), x_train.std(0) + 1e-6
-    as_x = lambda a: torch.tensor((a - mean) / std, dtype=torch.float32)  # noqa: E731
-    return as_x(x_train), torch.tensor(y_train), as_x(x_test), torch.tensor(y_test)
+    return load_digits_split(seed)
 
 
 def build_model(seed: int, hidden: tuple[int, int] = (128, 64)) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, hidden[0]), nn.ReLU(), nn.Linear(*hidden), nn.ReLU(),
-                         nn.Linear(hidden[1], 10))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, comm) -> float:
-    """Accuracy over the whole test set; each rank scores its shard."""
-    _, _, shard = comm.chunk(x.shape, 0)
-    correct = (model(x[shard]).argmax(1) == y[shard[0]]).sum().item()
-    counts = torch.tensor([correct, x[shard].shape[0]], dtype=torch.float64)
-    comm.Allreduce(hl.IN_PLACE, counts, MPI.SUM)
-    return float(counts[0] / counts[1])
+    return mlp([64, *hidden, 10], seed)
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -75,6 +61,13 @@ def main(argv: list[str] | None = None) -> float:
     comm = hl.MPI_WORLD
     configure_threads()
     log = hl.get_logger("digits")
+    if args.algorithm:
+        result = train_digits(args.algorithm, comm, epochs=args.epochs,
+                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+        log.info("%s: %s", args.algorithm, ALGORITHMS[args.algorithm][1])
+        if comm.rank == 0:
+            print(f"test accuracy: {result.accuracy:.4f}", flush=True)
+        return result.accuracy
     x_train, y_train, x_test, y_test = load_data(args.seed)
     net = build_model(args.seed)
     if args.optimizer == "sgd":

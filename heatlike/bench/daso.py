@@ -1,6 +1,6 @@
 """``python -m heatlike.bench daso``: DASO against blocking DataParallel on emulated nodes.
 
-Trains the digits MLP of examples/digits.py, widened to two hidden layers of 512 (about 300K
+Trains the digits MLP (heatlike.bench.workloads), widened to two hidden layers of 512 (about 300K
 parameters, so that bandwidth matters), with DASO (warmup 1, cooldown 1) and with blocking
 DataParallel, same data order and initial weights, and prints per epoch the bytes each rank sent
 over cross-node links (mean over ranks) and the wall time, then the final test accuracies.
@@ -30,6 +30,7 @@ from ..optim import DASO, DataParallelOptimizer
 from ..utils.data import DataLoader, Dataset
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment
+from .workloads import evaluate, load_digits_split, mlp
 
 
 def parse_link(spec: str | None) -> SimulatedLink | None:
@@ -43,27 +44,12 @@ def parse_link(spec: str | None) -> SimulatedLink | None:
     return SimulatedLink(latency_us * 1e-6, mbps * 1e6)
 
 
-def _digits():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "heatlike_example_digits"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[2] / "examples" / "digits.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def _run(kind: str, epochs: int, link: SimulatedLink | None, digits, data) -> tuple:
+def _run(kind: str, epochs: int, link: SimulatedLink | None, data) -> tuple:
     """Train with ``kind`` ('daso' or 'dp'); returns (bytes per epoch, seconds per epoch,
     accuracy)."""
     comm = MPI_WORLD
     x_train, y_train, x_test, y_test = data
-    net = digits.build_model(0, hidden=(512, 512))
+    net = mlp([64, 512, 512, 10], 0)
     sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     if kind == "daso":
         opt = DASO(sgd, total_epochs=epochs, comm=comm, warmup_epochs=1, cooldown_epochs=1)
@@ -100,7 +86,7 @@ def _run(kind: str, epochs: int, link: SimulatedLink | None, digits, data) -> tu
         if kind == "daso":
             opt.epoch_loss_logic(total / len(loader))
     model.eval()
-    return per_epoch_bytes, per_epoch_time, digits.evaluate(model, x_test, y_test, comm)
+    return per_epoch_bytes, per_epoch_time, evaluate(model, x_test, y_test, comm)
 
 
 def run(results: Results, quick: bool = False, slow_link: str | None = None) -> None:
@@ -111,10 +97,9 @@ def run(results: Results, quick: bool = False, slow_link: str | None = None) -> 
     configure_threads(comm)
     link = parse_link(slow_link)
     epochs = 10 if quick else 12
-    digits = _digits()
-    data = digits.load_data(0)
-    daso = _run("daso", epochs, link, digits, data)
-    dp = _run("dp", epochs, link, digits, data)
+    data = load_digits_split(0)
+    daso = _run("daso", epochs, link, data)
+    dp = _run("dp", epochs, link, data)
     if rank0:
         print(f"# daso: digits MLP 64-512-512-10, {epochs} epochs, batch 16 per rank, "
               f"{describe_environment(comm)}")
