@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .core.communication import MPICommunication, Request, sanitize_comm
+from .core.communication import MPICommunication, sanitize_comm
 from .core.topology import NeighborGraph
 from .engine import codecs
-from .engine.exchange import Context, exchange
+from .engine.exchange import Context, Lane
 from .engine.gradsync import GradientSync
 from .engine.paramsync import ParameterSync
 from .engine.reducers import AllReduce, Gossip, Hierarchical, Reducer
@@ -54,16 +54,23 @@ class Aggregation:
         self.codec = codec if codec is not None else codecs.Identity()
         self._plans: dict = {}
         self._calls = 0
+        self._reducer_ = self._make_reducer()
+        self._lane = Lane(self.codec, self._reducer_)
+
+    def _make_reducer(self) -> Reducer:
+        """The reducer every call reconfigures (subclasses: hierarchical, gossip)."""
+        return AllReduce(self.comm)
 
     def _reducer(self, op: str, denom) -> Reducer:
-        """The reducer for one call (subclasses: all-reduce, hierarchical, gossip)."""
+        """The reducer, configured for one call."""
         if op not in ALLREDUCE_AGGREGATION_OPS:
             raise ValueError(f"op must be one of {ALLREDUCE_AGGREGATION_OPS}, got {op!r}")
         if op == "custom_avg" and (denom is None or float(denom) <= 0):
             raise ValueError("op='custom_avg' needs a positive denom")
-        return AllReduce(self.comm, op=op, denom=None if denom is None else float(denom),
-                         divide_before=getattr(self, "divide_before", False)
-                         and op in ("avg", "custom_avg"))
+        self._reducer_.configure(op, getattr(self, "divide_before", False)
+                                 and op in ("avg", "custom_avg"),
+                                 None if denom is None else float(denom))
+        return self._reducer_
 
     def _agg(self, data: torch.Tensor, op: str, denom=None) -> torch.Tensor:
         """Aggregate the tensor ``data`` in place across ranks and return it."""
@@ -72,7 +79,8 @@ class Aggregation:
                       rank=self.comm.rank, step=self._calls,
                       state=self.codec.state_for(("agg", flat.numel())))
         self._calls += 1
-        Request(exchange(flat, self.codec, self._reducer(op, denom), ctx)).Wait()
+        self._reducer(op, denom)
+        self._lane.start(flat, ctx).Wait()
         if flat.data_ptr() != data.data_ptr():
             data.copy_(flat.view(data.shape))
         return data
@@ -85,16 +93,17 @@ class Aggregation:
             cap = 1e-6 if by_layer else 1e6
             if kind == "grad":
                 plan = GradientSync(params, self.comm, cap, cap, codec=self.codec,
-                                    reducer=AllReduce(self.comm), hooks=False,
+                                    reducer=self._reducer_, hooks=False,
                                     grad_as_bucket_view=False)
             else:
-                plan = ParameterSync(params, self.comm, codec=self.codec, bucket_cap_mb=cap)
+                plan = ParameterSync(params, self.comm, codec=self.codec,
+                                     reducer=self._reducer_, bucket_cap_mb=cap)
             self._plans[key] = plan
         return plan
 
     def _run(self, model: torch.nn.Module, kind: str, by_layer: bool, op: str, denom) -> None:
         plan = self._plan(model, kind, by_layer)
-        plan.reducer = self._reducer(op, denom)
+        self._reducer(op, denom)
         if kind == "grad":
             plan.launch_all()
             plan.synchronize()
@@ -139,10 +148,8 @@ class AllReduceAggregationHVD(AllReduceAggregation):
     packs all tensors into fused buffers) and hierarchical all-reduce (node-local reduce,
     cross-node all-reduce among one rank per node, node-local broadcast)."""
 
-    def _reducer(self, op: str, denom) -> Reducer:
-        flat = super()._reducer(op, denom)
-        return Hierarchical(self.comm, op=flat.op, divide_before=flat.divide_before,
-                            denom=None if denom is None else float(denom))
+    def _make_reducer(self) -> Reducer:
+        return Hierarchical(self.comm)
 
 
 class SparsifiedAggregation(Aggregation):
@@ -176,16 +183,20 @@ class DecentralizedAggregation(Aggregation):
     def __init__(self, rank: int | None = None, neighbors: Sequence[int] | None = None,
                  use_cuda: bool = False, *, comm: MPICommunication | None = None,
                  weights: str = "metropolis") -> None:
+        comm = sanitize_comm(comm)
+        if rank is not None and rank != comm.rank:
+            raise ValueError(f"rank={rank!r} but this process is rank {comm.rank}")
+        self.graph = NeighborGraph.ring(comm, weights) if neighbors is None else \
+            NeighborGraph(comm, neighbors, weights)
         super().__init__(use_cuda, comm=comm)
-        if rank is not None and rank != self.comm.rank:
-            raise ValueError(f"rank={rank!r} but this process is rank {self.comm.rank}")
-        self.graph = NeighborGraph.ring(self.comm, weights) if neighbors is None else \
-            NeighborGraph(self.comm, neighbors, weights)
+
+    def _make_reducer(self) -> Reducer:
+        return Gossip(self.graph)
 
     def _reducer(self, op: str, denom) -> Reducer:
         if op != "avg":
             raise ValueError("decentralized aggregation averages with neighbors (op='avg')")
-        return Gossip(self.graph)
+        return self._reducer_
 
     def _agg_gradients_by_layer(self, model, op="avg", denom=None):
         raise ValueError("decentralized aggregation mixes models; use agg_model")

@@ -117,3 +117,38 @@ def test_half_scan_exscan(comm, dtype):
     if comm.rank:
         assert torch.equal(mine, torch.full((5,), 0.5 * sum(range(1, comm.rank + 1)),
                                             dtype=dtype))
+
+
+def test_concurrent_nonblocking_half_reductions_stay_matched(comm, monkeypatch):
+    """Several non-blocking bf16 all-reduces in flight on one communicator, with a blocking
+    collective issued between them, give the right results: on an ordinary communicator they
+    are single float32 collectives; only on a serial one (one operation at a time) does the
+    multi-phase half-on-the-wire route run."""
+    from heatlike.core import _halfreduce
+
+    used = []
+    real = _halfreduce._block_reduce_scatter
+
+    def counting(*args, **kwargs):
+        used.append(True)
+        return (yield from real(*args, **kwargs))
+
+    monkeypatch.setattr(_halfreduce, "_block_reduce_scatter", counting)
+    n = ALLTOALL_MIN_ELEMENTS + 5
+    bufs = [torch.full((n,), float(comm.rank + i), dtype=torch.bfloat16) for i in range(4)]
+    reqs = [comm.Iallreduce(hl.IN_PLACE, b) for b in bufs[:2]]
+    x = torch.tensor([1.0])
+    comm.Allreduce(hl.IN_PLACE, x)  # a blocking collective while two are in flight
+    reqs += [comm.Iallreduce(hl.IN_PLACE, b) for b in bufs[2:]]
+    for r in reversed(reqs):  # complete them in another order than they started
+        while not r.Test():
+            pass
+    for i, b in enumerate(bufs):
+        assert (b.float() == sum(r + i for r in range(comm.size))).all(), i
+    assert x.item() == comm.size
+    assert not used or comm.size == 1
+    with comm.Dup(serial=True) as serial:
+        b = torch.full((n,), 1.0, dtype=torch.bfloat16)
+        serial.Iallreduce(hl.IN_PLACE, b).Wait()
+        assert (b.float() == comm.size).all()
+    assert used or comm.size == 1

@@ -158,7 +158,8 @@ def test_sparsified_sgd_memory_and_estimate(comm):
         assert int((sent != 0).sum()) == min(4, p.numel())
         total = sent.clone()
         comm.Allreduce(hl.IN_PLACE, total)
-        torch.testing.assert_close(p.detach().reshape(-1), before[b].reshape(-1) - total / comm.size)
+        expected = before[b].reshape(-1) - total / comm.size
+        torch.testing.assert_close(p.detach().reshape(-1), expected)
     est = opt.get_estimated_weights()
     torch.testing.assert_close(est[0], params[0].detach())  # rho_0 = 1
     opt.update_estimated_weights(1, 4)

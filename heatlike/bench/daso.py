@@ -61,7 +61,7 @@ def _run(kind: str, epochs: int, link: SimulatedLink | None, data) -> tuple:
         reducer = SlowLinkAllReduce(link, comm) if link is not None else None
         model = DataParallel(net, comm, optimizer=opt)
         if reducer is not None:
-            model.grad_sync.reducer = reducer
+            model.grad_sync.set_reducer(reducer)
         sent = lambda: model.grad_sync.bytes_sent  # noqa: E731
     loader = DataLoader(Dataset(x_train, y_train), batch_size=16, seed=0)
     if kind == "daso":

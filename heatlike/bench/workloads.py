@@ -178,23 +178,7 @@ def _decentralized(net, comm, lr):
     from ..optim import DecentralizedSGD
 
     opt = DecentralizedSGD(model=net, lr=lr, momentum=0.9, comm=comm)
-
-    def consensus():
-        average = mlp_like(net)
-        average.load_state_dict(net.state_dict())
-        flat = torch.cat([p.detach().reshape(-1) for p in average.parameters()])
-        comm.Allreduce(IN_PLACE, flat, MPI.SUM)
-        flat /= comm.size
-        torch.nn.utils.vector_to_parameters(flat, average.parameters())
-        return average
-
-    return _plain(opt, net, opt.sync, eval_model=consensus)
-
-
-def mlp_like(net: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(net)
+    return _plain(opt, net, opt.sync, eval_model=_averaged(net, comm))
 
 
 def _fp16(net, comm, lr):
@@ -213,6 +197,53 @@ def _fp16(net, comm, lr):
         return loss.item()
 
     return Runner(model, step, opt.sync)
+
+
+def _distopt(mode: str, **options):
+    def make(net, comm, lr):
+        from ..optim import DistOpt
+
+        dist = DistOpt(torch.optim.SGD(net.parameters(), lr=lr * options.pop("lr_scale", 1.0),
+                                       momentum=0.9), comm)
+        backward = getattr(dist, f"backward_and_{mode}")
+        loss_fn = nn.CrossEntropyLoss()
+
+        def step(x, y):
+            loss = loss_fn(net(x), y)
+            backward(loss, **options)
+            return loss.item()
+
+        syncs = _DistOptBytes(dist)
+        evaluate_model = _averaged(net, comm) if mode == "partial_update" else None
+        return Runner(net, step, syncs, eval_model=evaluate_model)
+    return make
+
+
+class _DistOptBytes:
+    """bytes_sent over every synchronizer a DistOpt uses."""
+
+    def __init__(self, dist) -> None:
+        self.dist = dist
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in (*self.dist._syncs.values(),
+                                          *self.dist._partitions.values()))
+
+
+def _averaged(net: nn.Module, comm: MPICommunication):
+    """A function returning the average of the ranks' models (for methods whose replicas
+    differ)."""
+    def average():
+        import copy
+
+        model = copy.deepcopy(net)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        comm.Allreduce(IN_PLACE, flat, MPI.SUM)
+        flat /= comm.size
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
+        return model
+    return average
 
 
 #: name -> (factory(net, comm, lr) -> Runner, description)
@@ -237,6 +268,14 @@ ALGORITHMS: dict[str, tuple[Callable, str]] = {
     "ef-sign": (lambda n, c, lr: _centralized(codec=ScaledSign())(n, c, lr),
                 "CentralizedSGD, scaled sign with error feedback"),
     "decentralized": (_decentralized, "DecentralizedSGD, ring gossip"),
+    "distopt-fused": (_distopt("update", threshold=4096),
+                      "DistOpt.backward_and_update, fusion below 4096 elements"),
+    "distopt-half": (_distopt("update_half", threshold=4096, clipping=True, clip_Value=10.0),
+                     "DistOpt.backward_and_update_half, clipping at 10"),
+    "distopt-partial": (_distopt("partial_update", threshold=4096),
+                        "DistOpt.backward_and_partial_update, partitions of 4096 elements"),
+    "distopt-sparse": (_distopt("sparse_update", threshold=4096, spars=0.01, topK=True),
+                       "DistOpt.backward_and_sparse_update, top-k 1% with residual"),
 }
 
 

@@ -6,7 +6,10 @@ bit patterns. heatlike computes every half-type reduction with one rounding at t
 
 * **small buffers** (fewer than ``ALLTOALL_MIN_ELEMENTS`` elements), user-defined ops and prefix
   scans are cast to float32, reduced with one MPI call, and cast back;
-* **large buffers** keep half precision on the wire. With P ranks and n elements, the first
+* **large buffers** keep half precision on the wire (blocking calls, and non-blocking calls on
+  communicators marked ``serial``; other non-blocking calls take the float32 route, a single
+  collective, because a multi-phase operation's later collectives could otherwise interleave
+  differently with other operations on different ranks). With P ranks and n elements, the first
   ``h = P * (n // P)`` elements are reduce-scattered with a block ``Alltoall`` (rank r receives
   block r of every rank, 2 bytes per element) and a local float32 accumulation of those P rows
   (in-place ``add_``/``mul_``/``minimum``/``maximum``, no Python callback per element); the
@@ -82,11 +85,12 @@ def _float32_allreduce(comm: MPI.Intracomm, x: torch.Tensor, dst: torch.Tensor, 
 
 
 def allreduce(comm: MPI.Intracomm, src: torch.Tensor | None, dst: torch.Tensor, op: MPI.Op,
-              blocking: bool) -> Operation:
-    """``dst = op(src over ranks)``; ``src=None`` means in place (the input is ``dst``)."""
+              blocking: bool, phases: bool = True) -> Operation:
+    """``dst = op(src over ranks)``; ``src=None`` means in place (the input is ``dst``).
+    ``phases=False`` forbids the multi-phase route (see ``MPICommunication.Dup(serial=...)``)."""
     x = dst if src is None else src
     n, size = x.numel(), comm.Get_size()
-    if not _wire_route(op, n, size):
+    if not phases or not _wire_route(op, n, size):
         yield from _float32_allreduce(comm, x, dst, op, blocking)
         return
     h = size * (n // size)
@@ -98,13 +102,13 @@ def allreduce(comm: MPI.Intracomm, src: torch.Tensor | None, dst: torch.Tensor, 
 
 
 def reduce(comm: MPI.Intracomm, src: torch.Tensor | None, dst: torch.Tensor | None, op: MPI.Op,
-           root: int, blocking: bool) -> Operation:
+           root: int, blocking: bool, phases: bool = True) -> Operation:
     """``dst = op(src over ranks)`` at ``root``; ``dst`` is None on other ranks, ``src`` None at
-    the root means in place."""
+    the root means in place. ``phases=False`` forbids the multi-phase route."""
     x = dst if src is None else src
     n, size = x.numel(), comm.Get_size()
     is_root = comm.Get_rank() == root
-    h = size * (n // size) if _wire_route(op, n, size) else 0
+    h = size * (n // size) if phases and _wire_route(op, n, size) else 0
     if h < n:
         tail = x[h:].float()
         tail_out = torch.empty_like(tail) if is_root else None

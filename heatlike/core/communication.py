@@ -236,12 +236,14 @@ class MPICommunication:
     wrapper being garbage collected) frees the MPI communicator.
     """
 
-    def __init__(self, handle: MPI.Intracomm = MPI.COMM_WORLD, *, _owned: bool = False) -> None:
+    def __init__(self, handle: MPI.Intracomm = MPI.COMM_WORLD, *, serial: bool = False,
+                 _owned: bool = False) -> None:
         if not isinstance(handle, MPI.Intracomm):
             raise TypeError(f"handle must be an mpi4py Intracomm, got {type(handle).__name__}")
         if handle == MPI.COMM_NULL:
             raise ValueError("handle is MPI.COMM_NULL")
         self.handle = handle
+        self.serial = serial
         self.rank: int = handle.Get_rank()
         self.size: int = handle.Get_size()
         self._finalizer = weakref.finalize(self, _free_handle, handle) if _owned else None
@@ -311,10 +313,10 @@ class MPICommunication:
 
     # -- communicator management -------------------------------------------------------------
 
-    def _owned(self, handle: MPI.Comm) -> MPICommunication | None:
+    def _owned(self, handle: MPI.Comm, serial: bool = False) -> MPICommunication | None:
         if handle == MPI.COMM_NULL:
             return None
-        return MPICommunication(handle, _owned=True)
+        return MPICommunication(handle, serial=serial, _owned=True)
 
     def Split(self, color: int = 0, key: int = 0) -> MPICommunication | None:
         """Collective: sub-communicators of ranks with equal ``color`` ordered by ``key``;
@@ -361,9 +363,16 @@ class MPICommunication:
         return self._owned(self.handle.Create_dist_graph_adjacent(
             list(sources), list(destinations), reorder=reorder))
 
-    def Dup(self) -> MPICommunication:
-        """Collective: a communicator with the same ranks and a separate message space."""
-        return self._owned(self.handle.Dup())
+    def Dup(self, serial: bool = False) -> MPICommunication:
+        """Collective: a communicator with the same ranks and a separate message space.
+
+        ``serial=True`` promises that at most one non-blocking operation is in flight on it at a
+        time and nothing else runs concurrently; then non-blocking half-precision reductions may
+        use their multi-phase route (half precision on the wire). On other communicators they use
+        a single float32 collective, because the later phases of a multi-phase operation start
+        when the rank's progress reaches them, and could otherwise be matched against another
+        operation's collectives on the same communicator."""
+        return self._owned(self.handle.Dup(), serial)
 
     def Free(self) -> None:
         """Free a communicator this wrapper owns (idempotent)."""
@@ -470,7 +479,8 @@ class MPICommunication:
             dst, fin = writable(recv, back, keep_contents=send is None)
         sync_devices(send, recv)
         if (recv if send is None else send).dtype in HALF_DTYPES:
-            yield from _half.reduce(self.handle, src, dst, op, root, blocking)
+            yield from _half.reduce(self.handle, src, dst, op, root, blocking,
+                                    phases=blocking or self.serial)
         else:
             yield from call(self.handle, blocking, "Reduce", IN_PLACE if src is None else spec(src),
                             spec(dst) if is_root else None, op, root)
@@ -488,7 +498,8 @@ class MPICommunication:
         dst, fin = writable(recv, back, keep_contents=send is None)
         sync_devices(send, recv)
         if recv.dtype in HALF_DTYPES:
-            yield from _half.allreduce(self.handle, src, dst, op, blocking)
+            yield from _half.allreduce(self.handle, src, dst, op, blocking,
+                                       phases=blocking or self.serial)
         else:
             yield from call(self.handle, blocking, "Allreduce",
                             IN_PLACE if src is None else spec(src), spec(dst), op)

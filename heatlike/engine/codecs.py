@@ -19,6 +19,7 @@ Threshold(t)       (index, value) of every |x + e| >= t             no         s
 Sign               1 bit per value                                  no         sum of signs
 Sign(scaled=True)  1 bit per value + mean |x + e|                   no         sum of scaled signs
 PowerSGD(r)        r (n_i + m_i) per matrix, 1-D tensors as is       two rounds P Q^T
+Clipped(c, v)      clamp to [-v, v], then codec c                   as c       as c
 =================  ==============================================  =========  ===================
 
 "Linear": every round is a ``Sum``, so the codec works with any reducer, gossip included; the
@@ -34,7 +35,7 @@ import torch
 from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock", "Threshold", "Sign",
-           "ScaledSign", "PowerSGD"]
+           "ScaledSign", "PowerSGD", "Clipped"]
 
 
 class Codec:
@@ -42,6 +43,7 @@ class Codec:
 
     name = "codec"
     linear = True          # only Sum rounds
+    single_round = False   # one Sum round that is one collective on any communicator
     carries_flags = False  # small integers in the tensor survive exactly (flags may ride along)
     stateful = False       # keeps state between exchanges (residuals, warm starts)
 
@@ -50,6 +52,9 @@ class Codec:
 
     def state_for(self, key: object) -> dict:
         return self.states.setdefault(key, {})
+
+    def pre(self, x: torch.Tensor) -> None:
+        """Applied to the raw values before the reducer scales them (default: nothing)."""
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         raise NotImplementedError
@@ -71,6 +76,7 @@ class Identity(Codec):
 
     name = "identity"
     carries_flags = True
+    single_round = True
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         yield Sum(x)
@@ -88,6 +94,7 @@ class Cast(Codec):
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"Cast supports bfloat16, float16 and float32, got {dtype}")
         self.dtype = dtype
+        self.single_round = dtype is torch.float32  # half types: multi-phase on serial channels
         self.name = f"cast-{str(dtype).removeprefix('torch.')}"
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
@@ -396,3 +403,25 @@ class PowerSGD(Codec):
             for s in plain:
                 total[s] = 0
             state["residual"] = total
+
+
+class Clipped(Codec):
+    """Clamp every value to ``[-limit, limit]``, then send it with ``inner`` (SINGA's clipped
+    half-precision all-reduce: ``Clipped(Cast(torch.float16), 100)``)."""
+
+    def __init__(self, inner: Codec, limit: float) -> None:
+        if not limit > 0:
+            raise ValueError(f"clip limit must be positive, got {limit!r}")
+        super().__init__()
+        self.inner, self.limit = inner, float(limit)
+        self.linear, self.stateful = inner.linear, inner.stateful
+        self.single_round = inner.single_round
+        self.states = inner.states
+        self.name = f"clipped-{limit}-{inner.name}"
+
+    def pre(self, x: torch.Tensor) -> None:
+        x.clamp_(-self.limit, self.limit)
+        self.inner.pre(x)
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        yield from self.inner.rounds(x, ctx)

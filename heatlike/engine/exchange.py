@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core._requests import Operation
+from ..core._requests import Operation, Request
 
-__all__ = ["Sum", "Gather", "Context", "exchange"]
+__all__ = ["Sum", "Gather", "Context", "exchange", "Lane"]
 
 
 @dataclass
@@ -85,26 +85,29 @@ def _integers(key: object) -> tuple[int, ...]:
 
 
 def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
-             flags: torch.Tensor | None = None) -> Operation:
+             flags: torch.Tensor | None = None, channel=None) -> Operation:
     """Average (or otherwise reduce) ``values`` over ranks with ``codec`` and ``reducer``.
 
     Operation generator; afterwards ``values`` holds the reducer's result (e.g. the average).
     ``flags`` (per-parameter use counters of a gradient bucket, kept apart from ``values``) are
     summed exactly with a small extra all-reduce; codecs that keep small integers exact
     (``codec.carries_flags``: identity, cast) can instead be given values and flags as one tensor.
+    ``channel`` (from ``reducer.open_channel()``) runs the collectives on private communicators.
     """
-    reducer.prepare(values)
+    codec.pre(values)        # on the raw values (clipping)
+    reducer.prepare(values)  # then the reducer's scaling (division before the sum)
     flag_request = None
     if flags is not None:
-        flag_request = reducer.start_flags(flags)
+        flag_request = reducer.start_flags(flags, channel=channel)
     rounds = codec.rounds(values, ctx)
     message = next(rounds, None)
     while message is not None:
         if isinstance(message, Sum):
-            yield from reducer.combine(message.tensor)
+            yield from reducer.combine(message.tensor, channel=channel)
             result = message.tensor
         else:
-            result = yield from reducer.gather(message.tensors, message.variable)
+            result = yield from reducer.gather(message.tensors, message.variable,
+                                               channel=channel)
         try:
             message = rounds.send(result)
         except StopIteration:
@@ -112,3 +115,36 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     if flag_request is not None:
         yield flag_request
     reducer.finish(values)
+
+
+def _after(previous, op: Operation) -> Operation:
+    """``op``, started only once ``previous`` (a Request or None) has completed."""
+    if previous is not None and not previous.done:
+        yield previous
+    yield from op
+
+
+class Lane:
+    """Where a codec and reducer run their exchanges.
+
+    An exchange that is a single collective (identity codec, single-phase reducer) runs on the
+    reducer's shared communicators, any number at a time: each is issued at its start, so all
+    ranks issue them in the same order. Any other exchange has later collectives that start when
+    the rank's progress reaches them; those run on a private channel (collective to open, done at
+    construction) one exchange after another, so their collectives are issued in the same order
+    on every rank and never interleave with anything else."""
+
+    def __init__(self, codec, reducer) -> None:
+        self.codec, self.reducer = codec, reducer
+        self.private = not (codec.single_round and reducer.single_phase)
+        self.channel = reducer.open_channel() if self.private else None
+        self._last = None
+
+    def start(self, values: torch.Tensor, ctx: Context,
+              flags: torch.Tensor | None = None) -> Request:
+        op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel)
+        if not self.private:
+            return Request(op)
+        request = Request(_after(self._last, op))
+        self._last = request
+        return request

@@ -43,7 +43,7 @@ from torch.autograd import Variable
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from .buckets import Bucket, plan_buckets
 from .codecs import Codec, Identity
-from .exchange import Context, exchange
+from .exchange import Context, Lane
 from .reducers import AllReduce, Reducer
 
 __all__ = ["GradientSync"]
@@ -84,6 +84,7 @@ class GradientSync:
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         if getattr(self.reducer, "mixes", False):
             raise ValueError("gradient buckets need a summing reducer, not gossip")
+        self.lane = Lane(self.codec, self.reducer)
         self._exchanges = [0] * len(self.buckets)
         self.on_backward_end = on_backward_end
         self._cycles = 0
@@ -172,18 +173,23 @@ class GradientSync:
         while self._next < len(self.buckets) and \
                 self._ready[self._next] == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
-            self._requests[bucket.index] = Request(self._exchange(bucket))
+            self._requests[bucket.index] = self._exchange(bucket)
             self._next += 1
 
-    def _exchange(self, bucket: Bucket):
+    def _exchange(self, bucket: Bucket) -> Request:
         b = bucket.index
         ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
                       state=self.codec.state_for(b))
         self._exchanges[b] += 1
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
-            return exchange(bucket.buffer, self.codec, self.reducer, ctx)
-        return exchange(bucket.values, self.codec, self.reducer, ctx, bucket.flags)
+            return self.lane.start(bucket.buffer, ctx)
+        return self.lane.start(bucket.values, ctx, bucket.flags)
+
+    def set_reducer(self, reducer: Reducer) -> None:
+        """Use ``reducer`` from the next cycle on (collective if it needs a private channel)."""
+        self.reducer = reducer
+        self.lane = Lane(self.codec, reducer)
 
     @property
     def bytes_sent(self) -> int:

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.communication import MPICommunication, Request, sanitize_comm, wait_all
+from ..core.communication import MPICommunication, sanitize_comm, wait_all
 from .buckets import pack, plan_buckets, unpack
 from .codecs import Codec, Identity
-from .exchange import Context, exchange
+from .exchange import Context, Lane
 from .reducers import AllReduce, Reducer
 
 __all__ = ["ParameterSync"]
@@ -38,23 +38,26 @@ class ParameterSync:
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         self.seed = seed
         self._steps = 0
+        self.lane = Lane(self.codec, self.reducer)
 
     @property
     def bytes_sent(self) -> int:
         return self.reducer.bytes_sent
 
     @torch.no_grad()
-    def synchronize(self) -> None:
-        """Collective: average (mix) the tensors in place."""
+    def synchronize(self, buckets: Sequence[int] | None = None) -> None:
+        """Collective: average (mix) the tensors in place (only those of ``buckets``, if
+        given)."""
+        chosen = self.buckets if buckets is None else [self.buckets[b] for b in buckets]
         requests = []
-        for bucket in self.buckets:
+        for bucket in chosen:
             data = [t.data for t in bucket.params]
             pack(data, bucket.buffer)
             ctx = Context(key=("param", bucket.index), shapes=[t.shape for t in data],
                           size=self.comm.size, rank=self.comm.rank, step=self._steps,
                           seed=self.seed, state=self.codec.state_for(("param", bucket.index)))
-            requests.append(Request(exchange(bucket.values, self.codec, self.reducer, ctx)))
+            requests.append(self.lane.start(bucket.values, ctx))
         wait_all(requests)
-        for bucket in self.buckets:
+        for bucket in chosen:
             unpack(bucket.buffer, [t.data for t in bucket.params])
         self._steps += 1

@@ -18,6 +18,13 @@ rank's tensors (``Gather``); around the codec it applies ``prepare`` (division b
 
 ``bytes_sent`` counts the payload bytes this rank handed to collectives (for gossip, once per
 neighbor it sends to).
+
+Channels: ``open_channel()`` (collective) returns private duplicates of the reducer's
+communicators, marked ``serial``; ``combine``, ``gather`` and ``start_flags`` take one as
+``channel=`` to run there instead of on the shared communicators. The engine runs every exchange
+that is more than one collective on a channel, one exchange after another
+(:class:`~heatlike.engine.exchange.Lane`), so the ranks always issue its collectives in the same
+order.
 """
 
 from __future__ import annotations
@@ -40,11 +47,17 @@ def _nbytes(t: torch.Tensor) -> int:
 class Reducer:
     """Base class: a sum over ``comm`` without division."""
 
-    mixes = False  # a Sum round is a neighbor mix, not a sum (only for value payloads)
+    mixes = False        # a Sum round is a neighbor mix, not a sum (only for value payloads)
+    single_phase = True  # a Sum round is one collective
 
     def __init__(self, comm: MPICommunication | None = None) -> None:
         self.comm = sanitize_comm(comm)
         self.bytes_sent = 0
+
+    def open_channel(self):
+        """Collective: private serial duplicates of the communicators (see the module
+        docstring)."""
+        return self.comm.Dup(serial=True)
 
     def prepare(self, values: torch.Tensor) -> None:
         """Before the codec runs (default: nothing)."""
@@ -52,18 +65,18 @@ class Reducer:
     def finish(self, values: torch.Tensor) -> None:
         """After the codec's last round (default: nothing)."""
 
-    def combine(self, t: torch.Tensor):
+    def combine(self, t: torch.Tensor, channel=None):
         """Operation: sum ``t`` over the ranks, in place."""
         self.bytes_sent += _nbytes(t)
-        yield self.comm.Iallreduce(IN_PLACE, t, MPI.SUM)
+        yield (channel or self.comm).Iallreduce(IN_PLACE, t, MPI.SUM)
 
-    def start_flags(self, flags: torch.Tensor) -> Request:
+    def start_flags(self, flags: torch.Tensor, channel=None) -> Request:
         """Start the exact sum of per-parameter use counters."""
-        return self.comm.Iallreduce(IN_PLACE, flags, MPI.SUM)
+        return (channel or self.comm).Iallreduce(IN_PLACE, flags, MPI.SUM)
 
-    def gather(self, tensors: list[torch.Tensor], variable: bool = False):
+    def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
         """Operation returning ``result[r][i]``: tensor i of rank r."""
-        comm = self.comm
+        comm = channel or self.comm
         parts = []
         for t in tensors:
             self.bytes_sent += _nbytes(t)
@@ -88,6 +101,11 @@ class AllReduce(Reducer):
     def __init__(self, comm: MPICommunication | None = None, op: str = "avg",
                  divide_before: bool = False, denom: float | None = None) -> None:
         super().__init__(comm)
+        self.configure(op, divide_before, denom)
+
+    def configure(self, op: str = "avg", divide_before: bool = False,
+                  denom: float | None = None) -> None:
+        """Change the reduction (same communicators, same channels)."""
         if op not in _OPS:
             raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
         if op == "custom_avg" and denom is not None and denom <= 0:
@@ -117,14 +135,14 @@ class AllReduce(Reducer):
         if self._divides and self.divide_before:
             values.div_(self.denom)
 
-    def combine(self, t: torch.Tensor):
+    def combine(self, t: torch.Tensor, channel=None):
         self.bytes_sent += _nbytes(t)
-        yield self.comm.Iallreduce(IN_PLACE, t, _OPS[self.op])
+        yield (channel or self.comm).Iallreduce(IN_PLACE, t, _OPS[self.op])
 
-    def gather(self, tensors: list[torch.Tensor], variable: bool = False):
+    def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
         if self.op in ("min", "max"):
             raise ValueError(f"op={self.op!r} needs a linear codec (identity or cast)")
-        return (yield from super().gather(tensors, variable))
+        return (yield from super().gather(tensors, variable, channel))
 
     def finish(self, values: torch.Tensor) -> None:
         if self._divides and not self.divide_before:
@@ -134,6 +152,8 @@ class AllReduce(Reducer):
 class Hierarchical(AllReduce):
     """Node-local reduce, cross-node all-reduce among each node's local rank 0, node-local
     broadcast (``topology`` defaults to the communicator's)."""
+
+    single_phase = False
 
     def __init__(self, comm: MPICommunication | None = None, op: str = "avg",
                  divide_before: bool = False, denom: float | None = None,
@@ -145,17 +165,29 @@ class Hierarchical(AllReduce):
             topology = get_topology(self.comm)
         self.topology = topology
 
-    def combine(self, t: torch.Tensor):
+    def open_channel(self):
+        topo = self.topology
+        return {"world": self.comm.Dup(serial=True), "node": topo.node_comm.Dup(serial=True),
+                "cross": topo.cross_comm.Dup(serial=True)}
+
+    def combine(self, t: torch.Tensor, channel=None):
         topo, op = self.topology, _OPS[self.op]
-        node = topo.node_comm
+        node = channel["node"] if channel else topo.node_comm
+        cross = channel["cross"] if channel else topo.cross_comm
         self.bytes_sent += _nbytes(t)
         if node.size > 1:
             yield node.Ireduce(IN_PLACE if topo.is_leader else t, t if topo.is_leader else None,
                                op, 0)
         if topo.is_leader and topo.num_nodes > 1:
-            yield topo.cross_comm.Iallreduce(IN_PLACE, t, op)
+            yield cross.Iallreduce(IN_PLACE, t, op)
         if node.size > 1:
             yield node.Ibcast(t, 0)
+
+    def gather(self, tensors, variable=False, channel=None):
+        return (yield from super().gather(tensors, variable, channel and channel["world"]))
+
+    def start_flags(self, flags, channel=None):
+        return super().start_flags(flags, channel and channel["world"])
 
 
 class Gossip(Reducer):
@@ -167,21 +199,24 @@ class Gossip(Reducer):
         super().__init__(graph.comm)
         self.graph = graph
 
-    def combine(self, t: torch.Tensor):
+    def open_channel(self):
+        return self.graph.graph_comm.Dup(serial=True)
+
+    def combine(self, t: torch.Tensor, channel=None):
         graph = self.graph
         neighbors = graph.neighbors
         if not neighbors:  # a single rank: nothing to mix
             return
         self.bytes_sent += _nbytes(t) * len(neighbors)
         received = torch.empty(len(neighbors) * t.numel(), dtype=t.dtype, device=t.device)
-        yield graph.graph_comm.Ineighbor_allgather(t, received)
+        yield (channel or graph.graph_comm).Ineighbor_allgather(t, received)
         t.mul_(graph.self_weight)
         for w, x in zip(graph.weights, received.view(len(neighbors), -1)):
             t.add_(x, alpha=w)
 
-    def gather(self, tensors, variable=False):
+    def gather(self, tensors, variable=False, channel=None):
         raise ValueError("gossip averages values: use a codec that sends them (identity or cast)")
         yield  # pragma: no cover
 
-    def start_flags(self, flags: torch.Tensor) -> Request:
+    def start_flags(self, flags: torch.Tensor, channel=None) -> Request:
         raise ValueError("gossip averaging is for models, not gradient buckets with flags")

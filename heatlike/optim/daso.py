@@ -53,7 +53,7 @@ from ..core.communication import MPI_WORLD, MPICommunication, Request, sanitize_
 from ..core.topology import Topology
 from ..engine.buckets import comm_buffer, pack, unpack
 from ..engine.codecs import Cast
-from ..engine.exchange import Context, exchange
+from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
 
@@ -149,7 +149,7 @@ class DASO:
         self.groups = min(self.topology.local_sizes)
         self.loc_gpus = self.topology.local_size
         self.codec = Cast(downcast_type)
-        self._cross_reducer = AllReduce(self.topology.cross_comm, op="sum")
+        self._cross_lane = Lane(self.codec, AllReduce(self.topology.cross_comm, op="sum"))
         self.link: SimulatedLink | None = None
         self.module: torch.nn.Module | None = None
         self.last_batch: int | None = None
@@ -319,14 +319,13 @@ class DASO:
         delta = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
                                                 self._ref.device))
         delta.sub_(self._ref).mul_(topo.local_size / self.comm.size)
-        reducer = self._cross_reducer
-        before = reducer.bytes_sent
+        lane = self._cross_lane
+        before = lane.reducer.bytes_sent
         for start in range(0, delta.numel(), self.split_val):
             ctx = Context(key=start, shapes=[], size=topo.cross_comm.size,
                           rank=topo.cross_comm.rank)
-            chunk = delta[start:start + self.split_val]
-            sync.requests.append(Request(exchange(chunk, self.codec, reducer, ctx)))
-        nbytes = reducer.bytes_sent - before
+            sync.requests.append(lane.start(delta[start:start + self.split_val], ctx))
+        nbytes = lane.reducer.bytes_sent - before
         self.bytes_cross += nbytes
         if self.link is not None:
             sync.ready_at = self.link.ready_at(nbytes)

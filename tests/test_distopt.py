@@ -1,0 +1,236 @@
+"""SINGA's DistOpt on the engine: fused = unfused = one process with the combined batch; half
+precision and clipping; top-k and threshold sparsification with residuals; partial updates;
+state; SINGA's bugs fixed; SINGA's RMSProp / AdaGrad formulas."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from heatlike.optim import DistOpt, singa
+
+pytestmark = pytest.mark.mpi
+B = 4
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3))
+
+
+def _data(step, n):
+    g = torch.Generator().manual_seed(900 + step)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _local_grads(model, x, y):
+    m = copy.deepcopy(model)
+    nn.functional.cross_entropy(m(x), y).backward()
+    return [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("threshold", [10, 100000], ids=["unfused", "fused"])
+def test_update_equals_single_process(comm, threshold):
+    P, r = comm.size, comm.rank
+    ref = _net()
+    net = _net(seed=50 + r)  # DistOpt makes the replicas equal (rank 0's)
+    if r == 0:
+        net.load_state_dict(ref.state_dict())
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        loss = nn.functional.cross_entropy(net(x[mine]), y[mine])
+        if threshold == 100000 and step == 0:
+            dist(loss)  # __call__: backward_and_update with the default threshold (fused)
+        else:
+            dist.backward_and_update(loss, threshold=threshold)
+        torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+    sync = dist._sync("fused", threshold)
+    assert len(sync.buckets) == (4 if threshold == 10 else 1)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_half_precision_and_clipping(comm, clip):
+    """float16 on the wire within float16 tolerance; with clipping every rank's gradient
+    elements are clamped before averaging."""
+    P, r = comm.size, comm.rank
+    ref = _net()
+    net = copy.deepcopy(ref)
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    x, y = _data(0, P * B)
+    per_rank = [_local_grads(ref, x[k * B:(k + 1) * B], y[k * B:(k + 1) * B]) for k in range(P)]
+    limit = 0.02
+    expected = []
+    for i, p in enumerate(ref.parameters()):
+        grads = [g[i].clamp(-limit, limit) if clip else g[i] for g in per_rank]
+        expected.append(p.detach() - 0.1 * sum(grads) / P)
+    mine = slice(r * B, (r + 1) * B)
+    dist.backward_and_update_half(nn.functional.cross_entropy(net(x[mine]), y[mine]),
+                                  threshold=64, clipping=clip, clip_Value=limit)
+    for p, e in zip(net.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=0, atol=2e-4)
+
+
+def test_topk_sparsification_magnitudes_below_one(comm):
+    """SINGA truncated |x| to an int as the sort key, so with all |x| < 1 its top-k was the
+    first k indices. Here the k largest magnitudes are sent; sent + residual = input."""
+    g = torch.Generator().manual_seed(comm.rank)
+    x = (torch.rand(100, generator=g) * 1.8 - 0.9)
+    acc = torch.zeros(100)
+    tensor = x.clone()
+    dist = DistOpt(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), comm)
+    dist.sparsification(tensor, acc, 0.05, topK=True)
+    dist.wait()
+    sent = x - acc
+    assert set(sent.nonzero().view(-1).tolist()) == set(x.abs().topk(5).indices.tolist())
+    everyone = torch.empty(comm.size * 100)
+    comm.Allgather(sent, everyone)
+    torch.testing.assert_close(tensor, everyone.view(comm.size, 100).sum(0))
+
+
+def test_threshold_sparsification_sends_each_entry_once(comm):
+    g = torch.Generator().manual_seed(10 + comm.rank)
+    x = torch.randn(200, generator=g)
+    before = torch.randn(200, generator=g) * 0.1
+    acc = before.clone()
+    tensor = x.clone()
+    dist = DistOpt(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), comm)
+    dist.sparsification(tensor, acc, 0.8, topK=False)
+    dist.wait()
+    total = x + before
+    survivors = torch.where(total.abs() >= 0.8, total, torch.zeros_like(total))
+    torch.testing.assert_close(x + before - acc, survivors)  # sent + residual = input
+    everyone = torch.empty(comm.size * 200)
+    comm.Allgather(survivors, everyone)
+    torch.testing.assert_close(tensor, everyone.view(comm.size, 200).sum(0))
+    lane = next(iter(dist._lanes.values()))
+    assert lane.reducer.bytes_sent == int((survivors != 0).sum()) * 8  # once each
+
+
+def test_sparse_update_residual_and_state(comm):
+    P, r = comm.size, comm.rank
+    net = _net()
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        dist.backward_and_sparse_update(nn.functional.cross_entropy(net(x[mine]), y[mine]),
+                                        threshold=64, spars=0.1, topK=True, corr=True)
+    sync = next(iter(dist._syncs.values()))
+    residuals = [sync.codec.state_for(b)["residual"].clone() for b in range(len(sync.buckets))]
+    assert all(res.abs().sum() > 0 for res in residuals)
+    state = dist.state_dict()
+    other_net = copy.deepcopy(net)
+    other = DistOpt(torch.optim.SGD(other_net.parameters(), lr=0.1), comm)
+    other.load_state_dict(state)
+    x, y = _data(0, B)
+    other.backward_and_sparse_update(nn.functional.cross_entropy(other_net(x), y), threshold=64,
+                                     spars=0.1, topK=True, corr=True)
+    restored = next(iter(other._syncs.values()))
+    assert len(restored.codec.states) == len(residuals)
+    dist.backward_and_sparse_update(nn.functional.cross_entropy(net(x), y), threshold=64,
+                                    spars=0.1, topK=True, corr=True)
+    torch.testing.assert_close(_flat(other_net), _flat(net))  # same residuals, same step
+
+
+def test_partial_update_cycles_through_partitions(comm):
+    """lr 0: local steps change nothing; partition k is averaged at step k; after a full cycle
+    every rank holds the same parameters, before it some still differ."""
+    net = _net()
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.0), comm)
+    with torch.no_grad():  # make the replicas differ
+        for p in net.parameters():
+            p.add_(float(comm.rank))
+    x, y = _data(0, B)
+    parts = None
+    for step in range(8):
+        dist.backward_and_partial_update(nn.functional.cross_entropy(net(x), y), threshold=100)
+        parts = parts or len(dist._partitions[100].buckets)
+        mine = _flat(net)
+        everyone = torch.empty(comm.size * mine.numel())
+        comm.Allgather(mine, everyone)
+        same = all(torch.equal(e, mine) for e in everyone.view(comm.size, -1))
+        if step + 1 >= parts:
+            assert same, f"step {step}: not equal after a full cycle of {parts}"
+        elif comm.size > 1:
+            assert not same
+    assert parts == 4  # 3 | 40x3 | 40 | 40x6 elements, in backward order, groups <= 100
+    assert dist.state_dict()["partial"] == 8 % parts
+
+
+def test_low_level_fused_and_half(comm):
+    dist = DistOpt(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), comm, buffSize=64)
+    a = torch.full((10,), float(comm.rank + 1))
+    b = torch.full((5,), 2.0)
+    dist.fused_all_reduce([a, b], send=False)  # staged
+    dist.fused_all_reduce([a, b])
+    big = torch.full((40000,), 1.5e4)  # the float16 sum would overflow at 5 ranks
+    dist.all_reduce_half(big)
+    c = torch.full((3,), 1.0)
+    dist.all_reduce(c)
+    dist.wait()
+    total = sum(range(1, comm.size + 1))
+    assert torch.equal(a, torch.full((10,), float(total))) and bool((b == 2 * comm.size).all())
+    assert torch.allclose(big, torch.full((40000,), 1.5e4 * comm.size), rtol=1e-3)
+    assert torch.equal(c, torch.full((3,), float(comm.size)))
+    with pytest.raises(ValueError, match="buffSize"):
+        dist.fused_all_reduce([torch.zeros(65)])
+    with pytest.raises(ValueError, match="contiguous"):
+        dist.all_reduce(torch.zeros(4, 4).t())
+
+
+def test_bad_input(comm):
+    net = _net()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        DistOpt(None, comm)
+    with pytest.raises(ValueError, match="buffSize"):
+        DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm, buffSize=0)
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm, buffSize=1000)
+    x, y = _data(0, B)
+    with pytest.raises(ValueError, match="exceeds buffSize"):
+        dist.backward_and_update(nn.functional.cross_entropy(net(x), y), threshold=5000)
+    with pytest.raises(ValueError, match="threshold"):
+        dist.backward_and_update(nn.functional.cross_entropy(net(x), y), threshold=0)
+    with pytest.raises(ValueError, match="spars"):
+        dist.backward_and_sparse_update(nn.functional.cross_entropy(net(x), y), spars=2.0,
+                                        topK=True)
+    with pytest.raises(ValueError, match="clip_Value"):
+        dist.backward_and_update_half(nn.functional.cross_entropy(net(x), y), clipping=True,
+                                      clip_Value=-1)
+    assert dist.world_size == comm.size and dist.global_rank == comm.rank
+    assert 0 <= dist.local_rank < comm.size
+
+
+def test_singa_rmsprop_and_adagrad_formulas():
+    """SINGA puts epsilon inside the square root."""
+    p0 = torch.tensor([1.0, -2.0, 3.0])
+    g = torch.tensor([0.5, 0.1, -0.3])
+    for cls, kwargs in ((singa.RMSProp, {"rho": 0.9}), (singa.AdaGrad, {})):
+        p = nn.Parameter(p0.clone())
+        opt = cls([p], lr=0.1, epsilon=1e-2, weight_decay=0.01, **kwargs)
+        expected = p0.clone()
+        state = torch.zeros(3)
+        for _ in range(3):
+            p.grad = g.clone()
+            opt.step()
+            grad = g + 0.01 * expected
+            if cls is singa.RMSProp:
+                state = 0.9 * state + 0.1 * grad * grad
+            else:
+                state = state + grad * grad
+            expected = expected - 0.1 * grad / torch.sqrt(state + 1e-2)
+        torch.testing.assert_close(p.detach(), expected)
+    with pytest.raises(ValueError):
+        singa.RMSProp([nn.Parameter(p0.clone())], lr=-1)
+    assert math.isfinite(float(p.detach().sum()))
