@@ -12,3 +12,8 @@ from .core import (  # noqa: F401
     use_comm,
     wait_all,
 )
+
+# isort: split
+# the distributed tensor: DNDarray, its factories and operations, heatlike.random
+from . import random  # noqa: F401
+from .core.tensor import *  # noqa: F401, F403

@@ -1,6 +1,7 @@
 """``python -m heatlike.bench SUITE [SUITE ...] [--quick] [--json PATH]`` under mpiexec / srun.
 
-Suites: comm (MPICommunication overhead and half-type all-reduce), dp (DataParallel against
+Suites: comm (MPICommunication overhead and half-type all-reduce), dndarray (DNDarray reductions,
+elementwise operations, resplit and matmul against numpy on one process), dp (DataParallel against
 PyTorch DDP), daso (DASO against blocking DataParallel on two emulated nodes), algorithms (every
 distributed optimizer: bytes, step time, accuracy). ``all`` runs every suite.
 Figures are medians over interleaved rounds, each round timed by its slowest rank.
@@ -13,10 +14,11 @@ import sys
 
 from mpi4py import MPI
 
-from . import algorithms, comm, daso, dp
+from . import algorithms, comm, daso, dndarray, dp
 from ._common import Results
 
-SUITES = {"comm": comm.run, "dp": dp.run, "daso": daso.run, "algorithms": algorithms.run}
+SUITES = {"comm": comm.run, "dndarray": dndarray.run, "dp": dp.run, "daso": daso.run,
+          "algorithms": algorithms.run}
 
 
 def main(argv: list[str] | None = None) -> int:

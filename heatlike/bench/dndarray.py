@@ -12,13 +12,16 @@ sizes) split along axis 0:
 * ``a @ w``: a (0, None) matmul with ``w`` of ``4096 x 256`` replicated, local.
 
 The same data for numpy come from :mod:`heatlike.random` on rank 0 alone (values do not depend on
-the number of ranks). Distributed timings are medians over interleaved rounds, each the slowest
-rank's time; numpy runs on rank 0 while the other ranks sleep (not spin in MPI), so it has the
-machine to itself.
+the number of ranks). Fresh torch results are page-faulted in 4 KiB pages unless
+``THP_MEM_ALLOC_ENABLE=1`` is set (numpy uses transparent huge pages by itself), which dominates
+``a + b`` and ``resplit``; the header says which applies. Distributed timings are medians over
+interleaved rounds, each the slowest rank's time; numpy runs on rank 0 while the other ranks
+sleep (not spin in MPI), so it has the machine to itself.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -67,8 +70,10 @@ def run(results: Results, quick: bool = False) -> None:
     w = hrandom.rand(COLS, INNER)
     mib = a.nbytes / 2 ** 20
     if rank0:
+        thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
         print(f"# dndarray: float32 {ROWS} x {COLS} ({mib:.0f} MiB) split=0, "
-              f"{describe_environment(comm.handle)}, torch threads {torch.get_num_threads()}")
+              f"{describe_environment(comm.handle)}, torch threads {torch.get_num_threads()}, "
+              f"torch huge pages {'on' if thp else 'off (THP_MEM_ALLOC_ENABLE=1 turns them on)'}")
         print(f"{'case':<18} {'heatlike ms':>11} {'numpy ms':>9} {'numpy/heatlike':>14}  note",
               flush=True)
     distributed = {

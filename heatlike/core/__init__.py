@@ -13,4 +13,6 @@ from .communication import (  # noqa: F401
     use_comm,
     wait_all,
 )
+from .dndarray import DNDarray  # noqa: F401  (before .tensor: see heatlike/core/tensor.py)
 from .log import get_logger  # noqa: F401
+from .tensor import *  # noqa: F401, F403

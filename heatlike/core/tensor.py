@@ -1,0 +1,30 @@
+"""The DNDarray API in one namespace, re-exported by ``heatlike`` and ``heatlike.core``: the
+class, factories, elementwise operations, reductions, manipulations, indexing helpers, matrix
+products, I/O, dtype names and the default device.
+
+``heatlike.core`` imports :mod:`heatlike.core.dndarray` before this module: the operation modules
+and the class module import each other, and the class module must come first.
+"""
+
+from .arithmetics import *  # noqa: F403
+from .arithmetics import __all__ as _arithmetics
+from .devices import get_device, use_device
+from .dndarray import DNDarray
+from .factories import *  # noqa: F403
+from .factories import __all__ as _factories
+from .indexing import take
+from .io import *  # noqa: F403
+from .io import __all__ as _io
+from .linalg import *  # noqa: F403
+from .linalg import __all__ as _linalg
+from .manipulations import *  # noqa: F403
+from .manipulations import __all__ as _manipulations
+from .reductions import all, any, argmax, argmin, max, mean, min, prod, std, sum, var
+from .types import *  # noqa: F403
+from .types import __all__ as _types
+
+__all__ = [
+    "DNDarray", "take", "use_device", "get_device",
+    "sum", "prod", "mean", "var", "std", "min", "max", "argmin", "argmax", "all", "any",
+    *_factories, *_arithmetics, *_manipulations, *_linalg, *_io, *_types,
+]

@@ -1,0 +1,289 @@
+"""Elementwise operations (broadcasting across layouts) and reductions, against numpy, for every
+split, balanced and unbalanced, with empty local parts."""
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from _dndarray_helpers import (
+    assert_matches,
+    global_array,
+    layouts,
+    raises_everywhere,
+    unbalanced,
+)
+
+import heatlike as hl
+
+pytestmark = pytest.mark.mpi
+
+PAIRS = [((4, 3), (4, 3)), ((5, 3), (3,)), ((4, 1), (1, 3)), ((1, 3), (5, 3)),
+         ((2, 3, 4), (3, 1)), ((3,), (3,)), ((0, 3), (1, 3)), ((5,), ()), ((2, 1, 3), (4, 1))]
+
+
+def _operands(g: np.ndarray, seed: int):
+    """Every layout of g as a DNDarray, plus g as numpy array and torch tensor."""
+    yield from layouts(g, seed)
+    yield "numpy", g
+    yield "torch", torch.from_numpy(g.copy())
+
+
+def test_broadcasting_across_all_layouts():
+    for i, (sa, sb) in enumerate(PAIRS):
+        ga, gb = global_array(i, sa), global_array(100 + i, sb)
+        for (wa, a), (wb, b) in itertools.product(layouts(ga, i), _operands(gb, i + 50)):
+            what = f"{sa} {wa} / {sb} {wb}"
+            assert_matches(a + b, ga + gb, what)
+            assert_matches(b - a, gb - ga, what)
+            assert_matches(a * b > 0, ga * gb > 0, what)
+        assert_matches(hl.array(ga, split=0) * 2.5, ga * 2.5) if ga.ndim else None
+        assert_matches(3 - hl.array(gb), 3 - gb)
+
+
+def test_binary_functions():
+    a_np = global_array(1, (6, 4))
+    b_np = global_array(2, (4,))
+    b_nz = np.where(b_np == 0, 3, b_np)
+    ai, bi = a_np.astype(np.int64), b_nz.astype(np.int64)
+    for (wa, a), (wb, b) in [(("0u", unbalanced(a_np, 0, 3)), ("rep", hl.array(b_nz))),
+                             (("1", hl.array(a_np, split=1)), ("0", hl.array(b_nz, split=0))),
+                             (("None", hl.array(a_np)), ("0u", unbalanced(b_nz, 0, 5)))]:
+        ia, ib = a.astype(hl.int64), b.astype(hl.int64)
+        what = f"{wa} {wb}"
+        cases = [
+            (hl.add, a, b, a_np + b_nz), (hl.subtract, a, b, a_np - b_nz),
+            (hl.multiply, a, b, a_np * b_nz), (hl.divide, a, b, a_np / b_nz),
+            (hl.true_divide, ia, ib, ai / bi),
+            (hl.floor_divide, a, b, a_np // b_nz), (hl.floor_divide, ia, ib, ai // bi),
+            (hl.remainder, a, b, a_np % b_nz), (hl.mod, ia, ib, ai % bi),
+            (hl.fmod, a, b, np.fmod(a_np, b_nz)),
+            (hl.power, a, b.abs() % 3, a_np ** (np.abs(b_nz) % 3)),
+            (hl.maximum, a, b, np.maximum(a_np, b_nz)), (hl.minimum, a, b, np.minimum(a_np, b_nz)),
+            (hl.arctan2, a, b, np.arctan2(a_np, b_nz)), (hl.hypot, a, b, np.hypot(a_np, b_nz)),
+            (hl.copysign, a, b, np.copysign(a_np, b_nz)),
+            (hl.bitwise_and, ia, ib, ai & bi), (hl.bitwise_or, ia, ib, ai | bi),
+            (hl.bitwise_xor, ia, ib, ai ^ bi),
+            (hl.left_shift, ia.abs(), ib.abs() % 4, np.abs(ai) << (np.abs(bi) % 4)),
+            (hl.right_shift, ia.abs(), ib.abs() % 4, np.abs(ai) >> (np.abs(bi) % 4)),
+            (hl.logical_and, a, b, np.logical_and(a_np, b_nz)),
+            (hl.logical_or, a, b, np.logical_or(a_np, b_nz)),
+            (hl.logical_xor, a, b, np.logical_xor(a_np, b_nz)),
+            (hl.equal, a, b, a_np == b_nz), (hl.not_equal, a, b, a_np != b_nz),
+            (hl.less, a, b, a_np < b_nz), (hl.less_equal, a, b, a_np <= b_nz),
+            (hl.greater, a, b, a_np > b_nz), (hl.greater_equal, a, b, a_np >= b_nz),
+        ]
+        for fn, x, y, expect in cases:
+            assert_matches(fn(x, y), expect, f"{fn.__name__} {what}")
+        assert_matches(a // b, a_np // b_nz, what)
+        assert_matches(a % 4, a_np % 4, what)
+        assert_matches(2 ** (a % 3), 2 ** (a_np % 3), what)
+        assert_matches((a > 0) & (b < 0), (a_np > 0) & (b_nz < 0), what)
+        assert_matches((a > 0) | (b < 0), (a_np > 0) | (b_nz < 0), what)
+        assert_matches((a > 0) ^ (b < 0), (a_np > 0) ^ (b_nz < 0), what)
+        assert_matches(~(a > 0), ~(a_np > 0), what)
+        assert_matches(a == b, a_np == b_nz, what)
+        assert_matches(a != 3, a_np != 3, what)
+        assert_matches(ia // 0, np.zeros_like(ai), what)  # numpy: integer division by 0 is 0
+        assert_matches(ia % ib * 0 + ia % hl.zeros_like(ia), np.zeros_like(ai), what)
+
+
+def test_unary_functions():
+    g = global_array(7, (5, 3)) / 3.0
+    pos = np.abs(g) + 0.5
+    unit = np.clip(g / 10, -0.99, 0.99)
+    cases = [(hl.negative, g, -g), (hl.positive, g, g), (hl.absolute, g, np.abs(g)),
+             (hl.abs, g, np.abs(g)), (hl.sign, g, np.sign(g)), (hl.sqrt, pos, np.sqrt(pos)),
+             (hl.square, g, g ** 2), (hl.exp, g, np.exp(g)), (hl.expm1, g, np.expm1(g)),
+             (hl.exp2, g, np.exp2(g)), (hl.log, pos, np.log(pos)), (hl.log2, pos, np.log2(pos)),
+             (hl.log10, pos, np.log10(pos)), (hl.log1p, pos, np.log1p(pos)),
+             (hl.sin, g, np.sin(g)), (hl.cos, g, np.cos(g)), (hl.tan, unit, np.tan(unit)),
+             (hl.arcsin, unit, np.arcsin(unit)), (hl.arccos, unit, np.arccos(unit)),
+             (hl.arctan, g, np.arctan(g)), (hl.sinh, g, np.sinh(g)), (hl.cosh, g, np.cosh(g)),
+             (hl.tanh, g, np.tanh(g)), (hl.floor, g, np.floor(g)), (hl.ceil, g, np.ceil(g)),
+             (hl.trunc, g, np.trunc(g)), (hl.round, g, np.round(g)),
+             (hl.isnan, g, np.isnan(g)), (hl.isinf, g, np.isinf(g)),
+             (hl.isfinite, g, np.isfinite(g)), (hl.logical_not, g, np.logical_not(g))]
+    for wx, _ in layouts(g):
+        for fn, src, expect in cases:
+            x = dict(layouts(src))[wx]
+            assert_matches(fn(x), expect, f"{fn.__name__} {wx}", rtol=1e-12)
+        x = dict(layouts(g))[wx]
+        assert_matches(-x, -g)
+        assert_matches(abs(x), np.abs(g))
+        assert_matches(+x, g)
+        assert_matches(hl.round(x, 1), np.round(g, 1))
+        assert_matches(hl.invert(x.astype(hl.int32)), ~g.astype(np.int32))
+        assert_matches(x.clip(-1, 1), np.clip(g, -1, 1))
+        assert_matches(hl.clip(x, None, 0.5), np.clip(g, None, 0.5))
+        assert_matches(hl.clip(x, hl.array(g[0] / 2), 1), np.clip(g, g[0] / 2, 1))
+        assert_matches(hl.isnan(x.sqrt()), g < 0)
+    assert_matches(hl.sqrt(np.array([4.0, 9.0])), np.array([2.0, 3.0]))
+
+
+def test_where_and_closeness():
+    g = global_array(3, (4, 5))
+    h = global_array(4, (5,))
+    for (wx, x), (wy, y) in itertools.product(layouts(g), layouts(h)):
+        what = f"{wx} {wy}"
+        assert_matches(hl.where(x > 0, x, y), np.where(g > 0, g, h), what)
+        assert_matches(hl.where(x > 0, 1.0, y), np.where(g > 0, 1.0, h), what)
+        assert_matches(hl.where(g > 0, x, 0), np.where(g > 0, g, 0), what)
+        assert_matches(hl.isclose(x, y), np.isclose(g, h), what)
+        assert hl.allclose(x, x + 1e-9) and not hl.allclose(x, y)
+        assert hl.array_equal(x, g) and not hl.array_equal(x, g[:2])
+
+
+def test_inplace_operators_keep_layout():
+    g = global_array(5, (6, 4))
+    h = global_array(6, (4,))
+    for (wx, _), (wy, y) in itertools.product(layouts(g), layouts(h)):
+        x = dict(layouts(g))[wx]
+        counts, split = x.counts, x.split
+        expect = g.copy()
+        x += y
+        expect += h
+        x *= 2
+        expect *= 2
+        x -= hl.array(g, split=1)
+        expect -= g
+        x /= 4
+        expect /= 4
+        assert x.counts == counts and x.split == split
+        assert_matches(x, expect, f"{wx} {wy}")
+        xi = dict(layouts(g.astype(np.int64)))[wx]
+        xi //= 2
+        xi %= 3
+        xi **= 2
+        xi |= 1
+        xi &= 3
+        xi ^= 1
+        ei = ((g.astype(np.int64) // 2) % 3) ** 2
+        ei = ((ei | 1) & 3) ^ 1
+        assert_matches(xi, ei, wx)
+        raises_everywhere(TypeError, lambda xi=xi: xi.__iadd__(0.5), "Cannot cast")
+        raises_everywhere(TypeError, lambda xi=xi: xi.__itruediv__(2), "Cannot cast")
+        raises_everywhere(ValueError, lambda xi=xi: xi.__ipow__(-1), "negative")
+        raises_everywhere(ValueError, lambda y=y: y.__iadd__(hl.zeros((6, 4))), "broadcast")
+
+
+def test_dtype_promotion_follows_torch():
+    x = hl.arange(6, split=0)
+    assert (x + 1).dtype is torch.int64
+    assert (x + 1.5).dtype is torch.float32
+    assert (x / 2).dtype is torch.float32
+    assert (x.astype(hl.float64) + 1).dtype is torch.float64
+    assert (x.astype(hl.int32) + x.astype(hl.int8)).dtype is torch.int32
+    assert (x > 2).dtype is torch.bool
+    assert (x.astype(hl.float16) * 2).dtype is torch.float16
+
+
+def test_elementwise_errors():
+    a = hl.zeros((4, 3), split=0)
+    raises_everywhere(ValueError, lambda: a + hl.zeros((4, 2), split=1), "broadcast")
+    raises_everywhere(ValueError, lambda: a * np.ones(5), "broadcast")
+    raises_everywhere(TypeError, lambda: a & a, "bitwise_and")
+    raises_everywhere(TypeError, lambda: hl.left_shift(a, 1), "left_shift")
+    raises_everywhere(ValueError, lambda: hl.arange(3, split=0) ** -1, "negative")
+    raises_everywhere(TypeError, lambda: a + "text")
+    raises_everywhere(ValueError, lambda: hl.clip(a), "min and max")
+    assert (a == None) is False  # noqa: E711  (Python falls back to identity)
+
+
+REDUCTIONS = ["sum", "prod", "mean", "var", "std", "min", "max", "all", "any"]
+SOME = ["sum", "var", "max", "any"]  # on unbalanced layouts (same code paths, fewer checks)
+
+
+def _numpy_reduce(name, g, axis, keepdims):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return getattr(np, name)(g, axis=axis, keepdims=keepdims)
+
+
+def test_reductions_every_axis_and_layout():
+    shapes = [(0,), (7,), (5, 3), (2, 0), (1, 4), (3, 4, 2)]
+    for i, shape in enumerate(shapes):
+        g = global_array(i, shape) / 2.0
+        nd = len(shape)
+        axes = [None, 0, -1, ()] + ([(0, nd - 1)] if nd > 1 else []) + \
+            ([(1, 2), 1] if nd > 2 else [])
+        for what, x in layouts(g, seed=i):
+            for axis, keepdims in [(a, k) for a in axes
+                                   for k in ((False, True) if a in (None, 0, ()) else (False,))]:
+                for name in (REDUCTIONS if "unbalanced" not in what else SOME):
+                    tag = f"{name} {shape} {what} axis={axis} keepdims={keepdims}"
+                    try:
+                        expect = _numpy_reduce(name, g, axis, keepdims)
+                    except ValueError:
+                        raises_everywhere(ValueError, lambda name=name, x=x, axis=axis,
+                                          keepdims=keepdims: getattr(hl, name)(
+                                              x, axis=axis, keepdims=keepdims))
+                        continue
+                    got = getattr(x, name)(axis=axis, keepdims=keepdims)
+                    assert_matches(got, expect, tag, rtol=1e-9, atol=1e-12)
+            if g.size > 1 and g.shape[0] > 1:
+                assert_matches(x.var(ddof=1), np.var(g, ddof=1), what)
+                assert_matches(hl.std(x, axis=0, ddof=1), np.std(g, axis=0, ddof=1), what)
+
+
+def test_reduction_dtypes_and_values():
+    gi = global_array(2, (6, 5)).astype(np.int32)
+    gb = global_array(3, (6, 5), dtype=bool)
+    for what, x in layouts(gi):
+        s = x.sum(axis=0)
+        assert s.dtype is torch.int64
+        assert_matches(s, gi.sum(axis=0), what)
+        assert_matches(x.min(axis=1), gi.min(axis=1), what)
+        assert_matches(x.max(), gi.max(), what)
+        assert_matches(x.mean(axis=0), gi.mean(axis=0), what)
+        assert x.mean().dtype is torch.float32
+        assert_matches(x.sum(dtype=hl.float64), gi.sum(), what)
+    for what, x in layouts(gb):
+        assert_matches(x.all(axis=0), gb.all(axis=0), what)
+        assert_matches(x.any(axis=1), gb.any(axis=1), what)
+        assert_matches(x.sum(), gb.sum(), what)
+        assert_matches(x.min(axis=0), gb.min(axis=0), what)
+        assert_matches(x.max(axis=1), gb.max(axis=1), what)
+    gh = global_array(4, (9, 3)).astype(np.float32)
+    for what, x in layouts(gh):
+        h = x.astype(hl.bfloat16)
+        assert_matches(h.sum(axis=0).astype(hl.float32), gh.sum(axis=0), what)
+        assert h.mean().dtype is torch.bfloat16
+
+
+def test_argmin_argmax():
+    shapes = [(1,), (7,), (5, 3), (3, 4, 2), (4, 1)]
+    for i, shape in enumerate(shapes):
+        g = global_array(i, shape) // 3  # many ties: the first occurrence must win
+        nd = len(shape)
+        for what, x in layouts(g, seed=i):
+            for axis in [None, *range(nd), -1]:
+                for keepdims in (False, True):
+                    tag = f"{shape} {what} axis={axis} keepdims={keepdims}"
+                    assert_matches(x.argmin(axis=axis, keepdims=keepdims),
+                                   np.argmin(g, axis=axis, keepdims=keepdims), tag)
+                    assert_matches(hl.argmax(x, axis=axis, keepdims=keepdims),
+                                   np.argmax(g, axis=axis, keepdims=keepdims), tag)
+    g = global_array(9, (6, 4))
+    g[2, 1] = g[4, 3] = g[5, 0] = np.nan
+    for what, x in layouts(g):
+        for axis in (None, 0, 1):
+            assert_matches(x.argmin(axis=axis), np.argmin(g, axis=axis), what)
+            assert_matches(x.argmax(axis=axis), np.argmax(g, axis=axis), what)
+            assert_matches(x.min(axis=axis), np.min(g, axis=axis), what)
+    gi = global_array(8, (5, 4)).astype(np.int16)
+    for what, x in layouts(gi):
+        assert_matches(x.argmax(axis=0), np.argmax(gi, axis=0), what)
+        assert_matches(x.argmin(), np.argmin(gi), what)
+
+
+def test_reduction_errors():
+    x = hl.zeros((4, 3), split=0)
+    raises_everywhere(ValueError, lambda: x.sum(axis=2), "out of bounds")
+    raises_everywhere(ValueError, lambda: x.mean(axis=(0, -2)), "duplicate")
+    raises_everywhere(TypeError, lambda: x.sum(axis=1.0), "integer")
+    raises_everywhere(ValueError, lambda: hl.zeros((0, 3), split=0).max(axis=0), "zero-size")
+    raises_everywhere(ValueError, lambda: hl.zeros((3, 0), split=0).argmin(axis=1), "empty")
+    raises_everywhere(TypeError, lambda: hl.zeros(3, dtype=hl.complex64, split=0).min(),
+                      "complex")
