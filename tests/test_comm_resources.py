@@ -66,6 +66,7 @@ def test_no_datatype_or_communicator_leak_in_data_paths(comm):
     ]
     for op in ops:  # the library allocates some objects once, on first use of a call
         op()
+    gc.collect()  # objects of earlier tests freed now, not inside the measured loop
     comm.Barrier()
     dt0, comm0 = _datatype_slots(), _comm_slots()
     for i in range(CALLS):
@@ -105,6 +106,7 @@ def test_no_communicator_leak_in_comm_management(comm):
 
     for i in range(6):  # the library allocates some objects once, on first use of a call
         create(i)
+    gc.collect()  # objects of earlier tests freed now, not inside the measured loop
     comm.Barrier()
     comm0 = _comm_slots()
     for i in range(CALLS):

@@ -85,7 +85,8 @@ def test_sparsifiers_send_the_selection_and_keep_the_rest(comm, make):
     else:
         k = codec.k or math.ceil(codec.ratio * n)
         assert nonzero == k
-        assert reducer.bytes_sent == (k * 4 if codec.shared else k * 8)
+        # + one float32: the non-finite marker
+        assert reducer.bytes_sent == (k * 4 if codec.shared else k * 8) + 4
     everyone = torch.empty(comm.size * n)
     comm.Allgather(sent, everyone)
     assert torch.allclose(got, everyone.view(comm.size, n).sum(0), atol=1e-5)
@@ -118,10 +119,10 @@ def test_sign_codecs(comm, scaled):
         residual = codec.state_for(0)["residual"]
         me = xs[comm.rank]
         assert torch.allclose(residual, me - me.abs().mean() * signs[comm.rank])
-        assert reducer.bytes_sent == math.ceil(37 / 8) + 4
+        assert reducer.bytes_sent == math.ceil(37 / 8) + 4 + 4  # scale, non-finite marker
     else:
         expected = _sum_of(signs)
-        assert reducer.bytes_sent == math.ceil(37 / 8)
+        assert reducer.bytes_sent == math.ceil(37 / 8) + 4
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -320,3 +321,31 @@ def test_many_multi_round_exchanges_in_flight(comm, make):
             expected = sum(rows) / comm.size
         tol = {Cast: 2e-2, PowerSGD: 2e-3}.get(type(sync.codec), 1e-5)  # QR of 4000 x 9 in fp32
         torch.testing.assert_close(p.grad, expected, rtol=tol, atol=tol, msg=f"bucket {i}")
+
+
+NONFINITE_CODECS = {
+    "identity": Identity, "bf16": lambda: Cast(torch.bfloat16),
+    "fp16": lambda: Cast(torch.float16), "topk": lambda: TopK(k=2),
+    "threshold": lambda: Threshold(1.0), "randomk": lambda: RandomK(k=2),
+    "randomk-own": lambda: RandomK(k=2, shared=False), "randomblock": lambda: RandomBlock(k=2),
+    "randomblock-own": lambda: RandomBlock(k=2, shared=False),
+    "sign": Sign, "sign-noef": lambda: Sign(error_feedback=False), "scaled-sign": ScaledSign,
+    "powersgd": lambda: PowerSGD(rank=1),
+}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", sorted(NONFINITE_CODECS))
+def test_codecs_never_hide_a_nonfinite_input(comm, name, bad):
+    """One rank's single NaN / inf (among 64 values, most of which the lossy codecs drop) makes
+    the decoded result non-finite on every rank; finite inputs, zeros included, stay finite."""
+    codec = NONFINITE_CODECS[name]()
+    shapes = [torch.Size([8, 8])]
+    x = _x(comm.rank)
+    if comm.rank == comm.size - 1:
+        x[37] = bad
+    got = _run(codec, x, comm, shapes=shapes)
+    assert not bool(torch.isfinite(got).all()), name
+    for data in (_x(comm.rank), torch.zeros(64), torch.full((64,), 1e-30)):
+        fresh = NONFINITE_CODECS[name]()
+        assert bool(torch.isfinite(_run(fresh, data.clone(), comm, shapes=shapes)).all()), name

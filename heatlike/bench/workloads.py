@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,16 +63,31 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 class Runner:
     """One algorithm training one model: ``train_step(x, y)``, ``eval_model()``,
-    ``bytes_sent()`` (payload bytes this rank handed to collectives so far)."""
+    ``bytes_sent()`` (payload bytes this rank handed to collectives so far), ``start_epoch(n)``
+    and ``end_epoch(loss)`` around every epoch of n batches. ``model`` (bare or wrapped) and
+    ``optimizer`` are what a checkpoint saves."""
 
-    def __init__(self, model: nn.Module, step: Callable, sync, eval_model=None) -> None:
+    def __init__(self, model: nn.Module, step: Callable, sync, eval_model=None, optimizer=None,
+                 start_epoch: Callable | None = None, end_epoch: Callable | None = None) -> None:
         self.model = model
+        self.optimizer = optimizer
         self._step = step
         self._sync = sync
         self._eval = eval_model
+        self._start_epoch = start_epoch
+        self._end_epoch = end_epoch
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         return self._step(x, y)
+
+    def start_epoch(self, batches: int) -> None:
+        if self._start_epoch is not None:
+            self._start_epoch(batches)
+
+    def end_epoch(self, loss: float) -> None:
+        """After an epoch, with this rank's mean training loss of it."""
+        if self._end_epoch is not None:
+            self._end_epoch(loss)
 
     def eval_model(self) -> nn.Module:
         """The model to evaluate, with every pending update applied."""
@@ -95,7 +111,7 @@ def _plain(opt, model, sync, **kw) -> Runner:
         opt.step()
         return loss.item()
 
-    return Runner(model, step, sync, **kw)
+    return Runner(model, step, sync, optimizer=opt, **kw)
 
 
 def _data_parallel(blocking: bool):
@@ -196,7 +212,7 @@ def _fp16(net, comm, lr):
         opt.step()
         return loss.item()
 
-    return Runner(model, step, opt.sync)
+    return Runner(model, step, opt.sync, optimizer=opt)
 
 
 def _distopt(mode: str, **options):
@@ -215,8 +231,41 @@ def _distopt(mode: str, **options):
 
         syncs = _DistOptBytes(dist)
         evaluate_model = _averaged(net, comm) if mode == "partial_update" else None
-        return Runner(net, step, syncs, eval_model=evaluate_model)
+        return Runner(net, step, syncs, eval_model=evaluate_model, optimizer=dist)
     return make
+
+
+def _daso(net, comm, lr, epochs: int = 10):
+    from ..nn import DataParallelMultiGPU
+    from ..optim import DASO
+
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9), total_epochs=epochs,
+                comm=comm, warmup_epochs=min(1, epochs), cooldown_epochs=min(1, epochs - 1),
+                max_global_skips=4)
+    model = DataParallelMultiGPU(net, daso)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(x, y):
+        daso.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        daso.step()
+        return loss.item()
+
+    def start_epoch(batches):
+        daso.last_batch = batches
+
+    return Runner(model, step, _DasoBytes(daso), eval_model=_averaged(net, comm), optimizer=daso,
+                  start_epoch=start_epoch, end_epoch=daso.epoch_loss_logic)
+
+
+class _DasoBytes:
+    def __init__(self, daso) -> None:
+        self.daso = daso
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.daso.bytes_cross + self.daso.bytes_node
 
 
 class _DistOptBytes:
@@ -233,17 +282,29 @@ class _DistOptBytes:
 
 def _averaged(net: nn.Module, comm: MPICommunication):
     """A function returning the average of the ranks' models (for methods whose replicas
-    differ)."""
+    differ), as a module that runs ``net`` with the averaged parameters."""
     def average():
-        import copy
-
-        model = copy.deepcopy(net)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        names = [n for n, _ in net.named_parameters()]
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
         comm.Allreduce(IN_PLACE, flat, MPI.SUM)
         flat /= comm.size
-        torch.nn.utils.vector_to_parameters(flat, model.parameters())
-        return model
+        params, offset = {}, 0
+        for name, p in zip(names, net.parameters()):
+            params[name] = flat[offset:offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return _WithParameters(net, params)
     return average
+
+
+class _WithParameters(nn.Module):
+    """``net`` evaluated with other parameter values (``torch.func.functional_call``)."""
+
+    def __init__(self, net: nn.Module, params: dict) -> None:
+        super().__init__()
+        self.net, self.values = net, params
+
+    def forward(self, *args):
+        return torch.func.functional_call(self.net, self.values, args)
 
 
 #: name -> (factory(net, comm, lr) -> Runner, description)
@@ -276,14 +337,21 @@ ALGORITHMS: dict[str, tuple[Callable, str]] = {
                         "DistOpt.backward_and_partial_update, partitions of 4096 elements"),
     "distopt-sparse": (_distopt("sparse_update", threshold=4096, spars=0.01, topK=True),
                        "DistOpt.backward_and_sparse_update, top-k 1% with residual"),
+    "daso": (_daso, "DASO: node-local gradient averaging, bfloat16 cross-node parameter "
+                    "averaging every 4 batches (1 warmup, 1 cooldown epoch)"),
 }
 
 
-def make_runner(name: str, net: nn.Module, comm: MPICommunication, lr: float = 0.05) -> Runner:
-    """The :class:`Runner` of algorithm ``name`` (a key of :data:`ALGORITHMS`)."""
+def make_runner(name: str, net: nn.Module, comm: MPICommunication, lr: float = 0.05,
+                epochs: int = 10) -> Runner:
+    """The :class:`Runner` of algorithm ``name`` (a key of :data:`ALGORITHMS`) for a run of
+    ``epochs`` epochs (DASO's schedule depends on it)."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {name!r}; choose from {sorted(ALGORITHMS)}")
-    return ALGORITHMS[name][0](net, comm, lr)
+    factory = ALGORITHMS[name][0]
+    if "epochs" in inspect.signature(factory).parameters:
+        return factory(net, comm, lr, epochs=epochs)
+    return factory(net, comm, lr)
 
 
 @dataclass
@@ -304,13 +372,16 @@ def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size
 
     x_train, y_train, x_test, y_test = data if data is not None else load_digits_split(seed)
     net = mlp([64, *hidden, 10], seed)
-    runner = make_runner(name, net, comm, lr)
+    runner = make_runner(name, net, comm, lr, epochs)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=batch_size, seed=seed)
     times = []
     for _ in range(epochs):
+        runner.start_epoch(len(loader))
+        losses = []
         for xb, yb in loader:
             start = time.perf_counter()
-            runner.train_step(xb, yb)
+            losses.append(runner.train_step(xb, yb))
             times.append(time.perf_counter() - start)
+        runner.end_epoch(sum(losses) / len(losses))
     accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
     return TrainResult(accuracy, times, runner.bytes_sent() / max(1, len(times)))

@@ -22,6 +22,8 @@ from collections.abc import Generator, Iterable
 
 from mpi4py import MPI
 
+from . import checks as _checks
+
 __all__ = ["Request", "wait_all", "test_all", "call", "drive"]
 
 Operation = Generator[MPI.Request, None, None]
@@ -50,9 +52,11 @@ class Request:
     the result, whatever the buffer kind and whichever completion call was used.
     """
 
-    __slots__ = ("_op", "_req", "__weakref__")
+    __slots__ = ("_op", "_req", "_label", "_board", "_seq", "__weakref__")
 
-    def __init__(self, op: Operation) -> None:
+    def __init__(self, op: Operation, label: str = "a heatlike operation", board=None,
+                 seq: int = 0) -> None:
+        self._label, self._board, self._seq = label, board, seq
         self._op = op
         self._req = next(op, None)  # validation and the first phase happen here
 
@@ -65,9 +69,13 @@ class Request:
         return self._req is None
 
     def Wait(self, status: MPI.Status | None = None) -> None:
-        """Block until the operation has completed and its result is in place."""
+        """Block until the operation has completed and its result is in place (raises
+        TimeoutError past ``HEATLIKE_COMM_TIMEOUT``, see ``heatlike.core.checks``)."""
         while self._req is not None:
-            self._req.Wait(status)
+            if _checks.timeout() is None:
+                self._req.Wait(status)
+            else:
+                _checks.wait(self._req, lambda: self._label, self._board, self._seq)
             self._advance()
 
     def Test(self, status: MPI.Status | None = None) -> bool:
@@ -100,6 +108,10 @@ def wait_all(requests: Iterable[Request | None]) -> None:
     Phases that are in flight at the same time are waited for together with ``MPI.Request.Waitall``.
     """
     pending = [r for r in requests if r is not None and r._req is not None]
+    if _checks.timeout() is not None:
+        for r in pending:
+            r.Wait()
+        return
     while pending:
         phases = [r._req for r in pending]
         if all(isinstance(q, MPI.Request) for q in phases):

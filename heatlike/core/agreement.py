@@ -4,22 +4,28 @@ A check whose inputs can differ between ranks (a module built differently on one
 optimizer given other parameters) must not raise on some ranks only: the others would go on into
 the next collective and wait forever. :func:`raise_together` shares each rank's verdict with one
 small allgather and raises on every rank if any rank found a problem, naming the rank.
+:func:`agree_on` does the same for settings that must be equal on every rank (a bucket size, a
+codec, a batch size): a constructor given different values on different ranks would otherwise
+issue different collectives.
 """
 
 from __future__ import annotations
 
 from .communication import MPICommunication, sanitize_comm
 
-__all__ = ["raise_together"]
+__all__ = ["raise_together", "agree_on"]
 
-_ALLOWED = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
+_ALLOWED = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
+            "FloatingPointError": FloatingPointError, "FileNotFoundError": FileNotFoundError}
 
 
-def raise_together(error: Exception | None, comm: MPICommunication | None = None) -> None:
+def raise_together(error: Exception | None, comm: MPICommunication | None = None,
+                   kinds: tuple[type[Exception], ...] = ()) -> None:
     """Collective. Raise on every rank if ``error`` is not None on any rank.
 
-    The exception raised has the type of the first failing rank's error (ValueError, TypeError
-    or RuntimeError; others become RuntimeError) and its message, prefixed with that rank."""
+    The exception raised has the type of the first failing rank's error (ValueError, TypeError,
+    RuntimeError, FloatingPointError, FileNotFoundError or one of ``kinds``; others become
+    RuntimeError) and its message, prefixed with that rank."""
     comm = sanitize_comm(comm)
     mine = None if error is None else (type(error).__name__, str(error))
     verdicts = comm.handle.allgather(mine)
@@ -27,4 +33,25 @@ def raise_together(error: Exception | None, comm: MPICommunication | None = None
         if verdict is not None:
             kind, message = verdict
             where = f"on rank {rank}: " if comm.size > 1 else ""
-            raise _ALLOWED.get(kind, RuntimeError)(where + message) from error
+            allowed = {**_ALLOWED, **{k.__name__: k for k in kinds}}
+            raise allowed.get(kind, RuntimeError)(where + message) from error
+
+
+def agree_on(settings: dict, comm: MPICommunication | None = None, what: str = "") -> None:
+    """Collective. Raise ValueError on every rank unless ``settings`` (name -> value, compared
+    by ``repr``) are the same on every rank; the message names the first differing setting and
+    its value on each rank."""
+    comm = sanitize_comm(comm)
+    if comm.size == 1:
+        return
+    mine = {k: repr(v) for k, v in settings.items()}
+    everyone = comm.handle.allgather(mine)
+    for name in mine:
+        values = [e.get(name) for e in everyone]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            where = f" of {what}" if what else ""
+            raise ValueError(f"setting {name!r}{where} differs between ranks ({shown}); "
+                             "every rank must pass the same value")
+    if any(set(e) != set(mine) for e in everyone):
+        raise ValueError(f"the settings{' of ' + what if what else ''} differ between ranks")

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from . import _buffers
 from . import _halfreduce as _half
+from . import checks as _checks
 from ._buffers import (
     IN_PLACE,
     as_tensor,
@@ -199,14 +200,77 @@ def _free_handle(handle: MPI.Comm) -> None:
 # ---------------------------------------------------------------------------- method factories
 
 
+_POINT_TO_POINT = {"Send", "Ssend", "Recv"}
+_SAME_COUNT = {"Bcast", "Reduce", "Allreduce", "Scan", "Exscan", "Allgather", "Alltoall",
+               "Gather", "Scatter", "Reduce_scatter_block", "Reduce_scatter"}
+_SPLITS = {"Allgather", "Gather"}  # IN_PLACE: the whole receive buffer holds P blocks
+
+
+def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, blocking: bool,
+             args: tuple, kwargs: dict):
+    """The path of every call while ``heatlike.core.checks`` is active: record the arrival,
+    check the signature across ranks, run non-blocking and wait with the deadline."""
+    label = f"{name} on {self!r}"
+    board, seq = None, 0
+    if name not in _POINT_TO_POINT:
+        board = self._arrival_board()
+        seq = board.arrive(name)
+        if _checks.checking():
+            board.check(_signature(self, gen, name, args, kwargs))
+    request = Request(gen(self, *args, blocking=False, **kwargs), label, board, seq)
+    if not blocking:
+        return request
+    request.Wait()
+    return None
+
+
+def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict) -> tuple:
+    """(operation, reduction op, root, dtype, element count) of a collective call; -1 where ranks
+    may legitimately differ."""
+    bound = inspect.signature(gen).bind(self, *args, blocking=False, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    op = a.get("op")
+    data = None
+    for key in ("sendbuf", "buf", "recvbuf"):
+        value = a.get(key)
+        if value is not None and value is not IN_PLACE:
+            data, from_recv = value, key == "recvbuf"
+            break
+    dtype, count = -1, -1
+    if data is not None:
+        try:
+            t, _ = as_tensor(data[0] if isinstance(data, (tuple, list)) else data, "buffer")
+            dtype = _checks.dtype_code(t.dtype)
+            if name in _SAME_COUNT and not isinstance(data, (tuple, list)):
+                count = t.numel()
+                if from_recv and a.get("sendbuf") is IN_PLACE and name in _SPLITS:
+                    count //= self.size
+                if name == "Scatter" and not from_recv:
+                    count //= self.size
+        except (TypeError, ValueError):
+            pass
+    if name in ("Reduce_scatter", "Reduce_scatter_block") and a.get("sendbuf") is IN_PLACE:
+        count = -1  # the receive buffer's size is the input size there, not the result's
+    return (_checks.opcode(name), op.py2f() if isinstance(op, MPI.Op) else 0,
+            int(a.get("root", -1)) if name in ("Bcast", "Reduce", "Gather", "Gatherv",
+                                               "Scatter", "Scatterv") else -1, dtype, count)
+
+
 def _operation(gen: Callable[..., Operation], blocking: bool, name: str, doc: str) -> Callable:
     """Make the public blocking (``name``) or non-blocking (``I``-name) method of an operation."""
+    base = name[1:] if not blocking else name
+    _checks.opcode(base)  # known by name in every process, for the check mode's messages
     if blocking:
         def method(self, *args, **kwargs):
+            if _checks.active:
+                return _checked(self, gen, base, True, args, kwargs)
             drive(gen(self, *args, blocking=True, **kwargs))
     else:
         def method(self, *args, **kwargs):
-            return Request(gen(self, *args, blocking=False, **kwargs))
+            if _checks.active:
+                return _checked(self, gen, base, False, args, kwargs)
+            return Request(gen(self, *args, blocking=False, **kwargs), base)
     sig = inspect.signature(gen)
     params = [p for p in sig.parameters.values()
               if p.name != "blocking" and not p.name.startswith("_")]
@@ -258,6 +322,15 @@ class MPICommunication:
         if name == "handle":
             raise AttributeError(name)
         return getattr(self.handle, name)
+
+    def _arrival_board(self) -> _checks.Board:
+        """The arrival board of this communicator (collective on first use: created by the
+        first collective called while checks are active)."""
+        board = self.__dict__.get("_board")
+        if board is None:
+            board = _checks.Board(self.handle)
+            self.__dict__["_board"] = board
+        return board
 
     def is_distributed(self) -> bool:
         """Whether more than one process takes part."""
@@ -439,13 +512,9 @@ class MPICommunication:
 
     # -- collectives -------------------------------------------------------------------------
 
-    def Barrier(self) -> None:
+    def _barrier(self, *, blocking: bool) -> Operation:
         """Block until every rank has called it."""
-        self.handle.Barrier()
-
-    def Ibarrier(self) -> Request:
-        """Non-blocking :meth:`Barrier`."""
-        return Request(iter((self.handle.Ibarrier(),)))
+        yield from call(self.handle, blocking, "Barrier")
 
     def _bcast(self, buf, root: int = 0, *, blocking: bool) -> Operation:
         """Copy ``buf`` of ``root`` into ``buf`` of every rank."""
@@ -808,11 +877,15 @@ class MPICommunication:
     Scatter, Iscatter = _pair(_scatter)
     Scatterv, Iscatterv = _pair(_scatterv)
     Neighbor_allgather, Ineighbor_allgather = _pair(_neighbor_allgather)
+    Barrier, Ibarrier = _pair(_barrier)
 
     # Fast paths for the hottest calls: plain contiguous host buffers go straight to MPI; anything
     # else (and every error) takes the general operation above. Same results either way.
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:  # noqa: F811
+        if _checks.active:
+            return _checked(self, MPICommunication._allreduce, "Allreduce", True,
+                            (sendbuf, recvbuf, op), {})
         specs = _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             self.handle.Allreduce(specs[0], specs[1], op)
@@ -820,6 +893,9 @@ class MPICommunication:
             drive(self._allreduce(sendbuf, recvbuf, op, blocking=True))
 
     def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:  # noqa: F811
+        if _checks.active:
+            return _checked(self, MPICommunication._allreduce, "Allreduce", False,
+                            (sendbuf, recvbuf, op), {})
         specs = _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             return Request(_hold(self.handle.Iallreduce(specs[0], specs[1], op),
@@ -827,6 +903,8 @@ class MPICommunication:
         return Request(self._allreduce(sendbuf, recvbuf, op, blocking=False))
 
     def Bcast(self, buf, root: int = 0) -> None:  # noqa: F811
+        if _checks.active:
+            return _checked(self, MPICommunication._bcast, "Bcast", True, (buf, root), {})
         d = direct(buf, True)
         if d is not None and type(root) is int and 0 <= root < self.size:
             self.handle.Bcast([d[0], d[1], mpi_type(d[2])], root)
@@ -834,6 +912,8 @@ class MPICommunication:
             drive(self._bcast(buf, root, blocking=True))
 
     def Ibcast(self, buf, root: int = 0) -> Request:  # noqa: F811
+        if _checks.active:
+            return _checked(self, MPICommunication._bcast, "Bcast", False, (buf, root), {})
         d = direct(buf, True)
         if d is not None and type(root) is int and 0 <= root < self.size:
             return Request(_hold(self.handle.Ibcast([d[0], d[1], mpi_type(d[2])], root), buf))

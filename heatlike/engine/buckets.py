@@ -106,15 +106,27 @@ class Bucket:
 
 
 def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
-                 first_cap_bytes: int | None = None, flags: bool = True) -> list[Bucket]:
+                 first_cap_bytes: int | None = None, flags: bool = True,
+                 sizes: Sequence[int] | None = None) -> list[Bucket]:
     """Group ``params`` into buckets in the given order.
 
     A bucket holds parameters of one dtype and device and at most ``cap_bytes`` of them (a single
     larger parameter gets a bucket of its own); the first bucket is capped at
     ``first_cap_bytes``. Every rank calling this with the same parameter list gets the same plan.
+    ``sizes`` (a restored plan) gives the number of parameters of each bucket instead: bucket k
+    holds the next ``sizes[k]`` parameters.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    if sizes is not None:
+        params = list(params)
+        starts = np.cumsum([0, *sizes])
+        groups = [params[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        if starts[-1] != len(params) or any(
+                not g or len({(p.dtype, p.device) for p in g}) != 1 for g in groups):
+            raise ValueError("bucket sizes must partition the parameters into non-empty "
+                             "groups of one dtype and device")
+        return _make_buckets(groups, flags)
     first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     groups: list[list[torch.nn.Parameter]] = []
     open_groups: dict[tuple, list] = {}  # (dtype, device) -> [params, bytes used, cap]
@@ -128,6 +140,10 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
             open_groups[key] = entry
         entry[0].append(p)
         entry[1] += nbytes
+    return _make_buckets(groups, flags)
+
+
+def _make_buckets(groups: list[list[torch.nn.Parameter]], flags: bool) -> list[Bucket]:
     buckets = []
     for index, group in enumerate(groups):
         offsets, size = [], 0

@@ -24,6 +24,12 @@ Clipped(c, v)      clamp to [-v, v], then codec c                   as c       a
 
 "Linear": every round is a ``Sum``, so the codec works with any reducer, gossip included; the
 others gather every rank's payload.
+
+Non-finite values are never hidden: when any rank's input (with its residual) holds a NaN or an
+infinity, the decoded result holds one too, on every rank. Codecs whose payload could drop it (a
+sign bit, entries not selected) send one extra value, 0 or NaN, that is added to the result.
+So a check of the result (``GradientSync(check_finite=True)``, AMP's ``GradScaler``) sees the
+same verdict on every rank.
 """
 
 from __future__ import annotations
@@ -145,8 +151,18 @@ def _index_dtype(n: int) -> torch.dtype:
 
 def _scatter_add(x: torch.Tensor, gathered: list) -> None:
     x.zero_()
-    for indices, values in gathered:
+    for indices, values, *poison in gathered:
         x.index_add_(0, indices.long(), values)
+        if poison:
+            x.add_(poison[0].to(x.dtype))
+
+
+def _poison(total: torch.Tensor) -> torch.Tensor:
+    """One value, NaN if ``total`` holds a non-finite entry, else 0 (see the module
+    docstring)."""
+    bad = total.numel() and not bool(torch.isfinite(total).all())
+    return torch.full((1,), float("nan") if bad else 0.0, dtype=torch.float32,
+                      device=total.device)
 
 
 class TopK(_Feedback):
@@ -188,7 +204,7 @@ class Threshold(_Feedback):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
-        indices = torch.nonzero(total.abs() >= self.threshold).view(-1)
+        indices = torch.nonzero((total.abs() >= self.threshold) | total.isnan()).view(-1)
         sent = torch.zeros_like(total)
         sent[indices] = total[indices]
         self._keep(ctx, total, sent)
@@ -219,13 +235,14 @@ class RandomK(_Feedback):
         sent = torch.zeros_like(total)
         sent[indices] = total[indices]
         self._keep(ctx, total, sent)
-        values = total[indices]
+        values = torch.cat([total[indices], _poison(total).to(total.dtype)])
         if self.shared:
             yield Sum(values)
             x.zero_()
-            x[indices] = values
+            x[indices] = values[:-1]
+            x.add_(values[-1])
         else:
-            gathered = yield Gather([indices.to(_index_dtype(n)), values])
+            gathered = yield Gather([indices.to(_index_dtype(n)), values[:-1], values[-1:]])
             _scatter_add(x, gathered)
 
 
@@ -250,14 +267,15 @@ class RandomBlock(_Feedback):
         sent = torch.zeros_like(total)
         sent[start:start + k] = total[start:start + k]
         self._keep(ctx, total, sent)
-        block = total[start:start + k].clone()
+        block = torch.cat([total[start:start + k], _poison(total).to(total.dtype)])
         if self.shared:
             yield Sum(block)
             x.zero_()
-            x[start:start + k] = block
+            x[start:start + k] = block[:-1]
+            x.add_(block[-1])
         else:
             indices = torch.arange(start, start + k, device=x.device).to(_index_dtype(n))
-            gathered = yield Gather([indices, block])
+            gathered = yield Gather([indices, block[:-1], block[-1:]])
             _scatter_add(x, gathered)
 
 
@@ -299,15 +317,14 @@ class Sign(_Feedback):
         signs = positive.to(x.dtype) * 2 - 1
         scale = total.abs().mean() if self.scaled and x.numel() else torch.ones((), dtype=x.dtype)
         self._keep(ctx, total, scale * signs)
-        payload = [pack_bits(positive)]
-        if self.scaled:
-            payload.append(scale.reshape(1).to(torch.float32))
+        extra = [scale.reshape(1).to(torch.float32)] if self.scaled else []
+        payload = [pack_bits(positive), torch.cat([*extra, _poison(total)])]
         gathered = yield Gather(payload)
         x.zero_()
         n = x.numel()
-        for parts in gathered:
-            s = parts[1].to(x.dtype) if self.scaled else 1.0
-            x.add_((unpack_bits(parts[0], n).to(x.dtype) * 2 - 1) * s)
+        for bits, tail in gathered:
+            s = tail[0].to(x.dtype) if self.scaled else 1.0
+            x.add_((unpack_bits(bits, n).to(x.dtype) * 2 - 1) * s + tail[-1].to(x.dtype))
 
 
 class ScaledSign(Sign):

@@ -95,7 +95,7 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     ``channel`` (from ``reducer.open_channel()``) runs the collectives on private communicators.
     """
     codec.pre(values)        # on the raw values (clipping)
-    reducer.prepare(values)  # then the reducer's scaling (division before the sum)
+    token = reducer.prepare(values)  # then the reducer's scaling (division before the sum)
     flag_request = None
     if flags is not None:
         flag_request = reducer.start_flags(flags, channel=channel)
@@ -114,7 +114,7 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
             message = None
     if flag_request is not None:
         yield flag_request
-    reducer.finish(values)
+    reducer.finish(values, token)
 
 
 def _after(previous, op: Operation) -> Operation:

@@ -30,6 +30,12 @@ bucket, so the hook has nothing to copy either (DDP's ``gradient_as_bucket_view`
 gradient assigned by hand) the hook copies it, so results never depend on it.
 
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
+
+``check_finite=True`` checks every averaged bucket and raises ``FloatingPointError`` on every rank
+when it holds a NaN or an infinity (after completing the cycle's other exchanges). The averages
+are the same on every rank, and no codec hides a non-finite input (``heatlike.engine.codecs``),
+so the verdict agrees everywhere without an extra reduction; the message also says whether this
+rank's own gradients were finite.
 """
 
 from __future__ import annotations
@@ -40,10 +46,13 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.autograd import Variable
 
+from ..core import checks as _checks
+from ..core.agreement import agree_on
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from .buckets import Bucket, plan_buckets
 from .codecs import Codec, Identity
 from .exchange import Context, Lane
+from .liveness import board_of
 from .reducers import AllReduce, Reducer
 
 __all__ = ["GradientSync"]
@@ -73,12 +82,21 @@ class GradientSync:
                  first_bucket_mb: float = 1.0, codec: Codec | None = None,
                  reducer: Reducer | None = None,
                  on_backward_end: Callable[[], None] | None = None,
-                 grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0) -> None:
+                 grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0,
+                 check_finite: bool = False, names: Sequence[str] | None = None) -> None:
         self.comm = sanitize_comm(comm)
+        self.check_finite = check_finite
+        self._local_bad: dict[int, list[int]] = {}  # bucket -> its non-finite parameters here
         self.grad_as_bucket_view = grad_as_bucket_view
         self.seed = seed
         self.params = [p for p in params if p.requires_grad]
         self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+        agree_on({"parameters": [(tuple(p.shape), str(p.dtype)) for p in self.params],
+                  "bucket caps": self._caps, "codec": repr(codec), "reducer":
+                  None if reducer is None else (type(reducer).__name__,
+                                                getattr(reducer, "op", None)),
+                  "check_finite": check_finite, "seed": seed}, self.comm,
+                 "the gradient synchronization")
         self._plan(list(reversed(self.params)))
         self.codec = codec if codec is not None else Identity()
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
@@ -90,6 +108,8 @@ class GradientSync:
         self._cycles = 0
         self._arrival: list[int] = []  # indices into self.params, in gradient arrival order
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.names = list(names) if names is not None else \
+            [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
@@ -100,11 +120,13 @@ class GradientSync:
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for p in self.params] if hooks else []
+        self._board = board_of(self.comm)  # collective on a communicator's first sync
+        self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
         weakref.finalize(self, _complete_all, self._requests)
 
-    def _plan(self, order: list[torch.nn.Parameter]) -> None:
-        self.buckets: list[Bucket] = plan_buckets(order, *self._caps)
+    def _plan(self, order: list[torch.nn.Parameter], sizes: list[int] | None = None) -> None:
+        self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes)
         self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
@@ -123,7 +145,10 @@ class GradientSync:
     def _begin(self) -> None:
         if self.active or not self.buckets:
             return
+        if self.on_begin is not None:
+            self.on_begin()
         self._cycles += 1
+        self._board.post()
         if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()
         self.active = True
@@ -178,6 +203,9 @@ class GradientSync:
 
     def _exchange(self, bucket: Bucket) -> Request:
         b = bucket.index
+        if self.check_finite:
+            self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, bucket.views)
+                                  if not bool(torch.isfinite(v).all())]
         ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
                       state=self.codec.state_for(b))
@@ -246,7 +274,10 @@ class GradientSync:
         """Complete the reduction of bucket ``b`` (its buffer then holds the averages)."""
         if b in self._reduced:
             return
-        self._requests[b].Wait()
+        request = self._requests[b]
+        if not request.done:
+            _checks.wait(request, lambda: f"the exchange of gradient bucket {b}",
+                         request._board, request._seq, watch=self._board.check)
         self._reduced.add(b)
 
     def unpack(self, b: int) -> list[torch.nn.Parameter]:
@@ -254,6 +285,8 @@ class GradientSync:
         those parameters."""
         self.wait(b)
         bucket = self.buckets[b]
+        if self.check_finite and not bool(torch.isfinite(bucket.values).all()):
+            self._fail_nonfinite(bucket)
         used = []
         with torch.no_grad():
             for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
@@ -273,6 +306,20 @@ class GradientSync:
             self.active = False
         return used
 
+    def _fail_nonfinite(self, bucket: Bucket) -> None:
+        """Complete the cycle's other exchanges, end the cycle, raise FloatingPointError."""
+        for other in range(len(self.buckets)):
+            if other in self._requests:
+                self.wait(other)
+        self.active = False
+        bad = [self.names[self._index[id(p)]] for p, v in zip(bucket.params, bucket.views)
+               if not bool(torch.isfinite(v).all())]
+        mine = [self.names[i] for bs in self._local_bad.values() for i in bs]
+        here = f"this rank's own gradients were non-finite in {mine[:5]}" if mine else \
+            "this rank's own gradients were finite"
+        raise FloatingPointError(f"non-finite averaged gradients of {bad[:5]}"
+                                 f"{' ...' if len(bad) > 5 else ''} (check_finite); {here}")
+
     def synchronize(self) -> None:
         """Launch what is left, wait for every bucket and write all averages into ``.grad``."""
         if not self.active and not self.unsynced:
@@ -291,6 +338,36 @@ class GradientSync:
     def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (sorted)."""
         return sorted({self._where[id(p)][0] for p in params if id(p) in self._where})
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The bucket plan (parameter indices in bucket order), the cycle and per-bucket exchange
+        counters (seeds of randomized codecs), the first cycle's gradient arrival order and the
+        codec's state. Take it between steps."""
+        order = [self._index[id(p)] for b in self.buckets for p in b.params]
+        return {"cycles": self._cycles, "order": order,
+                "sizes": [len(b.params) for b in self.buckets],
+                "arrival": list(self._arrival) if self._cycles < 2 else [],
+                "exchanges": list(self._exchanges), "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (the same parameters, in the same order)."""
+        if self.active:
+            raise RuntimeError("load the gradient synchronizer's state between steps, not "
+                               "during a backward pass")
+        order, sizes = list(state["order"]), list(state["sizes"])
+        if sorted(order) != list(range(len(self.params))) or sum(sizes) != len(order):
+            raise ValueError(f"the saved bucket plan covers {len(order)} parameters, this "
+                             f"model has {len(self.params)} trainable parameters")
+        params = [self.params[i] for i in order]
+        if [len(b.params) for b in self.buckets] != sizes or \
+                [p for b in self.buckets for p in b.params] != params:
+            self._plan(params, sizes)
+        self._cycles = int(state["cycles"])
+        self._arrival = list(state["arrival"])
+        self._exchanges = [int(n) for n in state["exchanges"]]
+        self.codec.load_state_dict(state["codec"])
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

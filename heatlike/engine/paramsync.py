@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..core.agreement import agree_on
 from ..core.communication import MPICommunication, sanitize_comm, wait_all
 from .buckets import pack, plan_buckets, unpack
 from .codecs import Codec, Identity
@@ -33,6 +34,9 @@ class ParameterSync:
         self.comm = sanitize_comm(comm)
         self.tensors = [t for t in tensors]
         cap = max(1, int(bucket_cap_mb * MiB))
+        agree_on({"tensors": [(tuple(t.shape), str(t.dtype)) for t in self.tensors],
+                  "bucket cap": cap, "codec": repr(codec), "seed": seed}, self.comm,
+                 "the parameter synchronization")
         self.buckets = plan_buckets(self.tensors, cap, cap, flags=False)
         self.codec = codec if codec is not None else Identity()
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
@@ -61,3 +65,11 @@ class ParameterSync:
         for bucket in chosen:
             unpack(bucket.buffer, [t.data for t in bucket.params])
         self._steps += 1
+
+    def state_dict(self) -> dict:
+        """The exchange counter (seeds of randomized codecs) and the codec's state."""
+        return {"steps": self._steps, "codec": self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._steps = int(state["steps"])
+        self.codec.load_state_dict(state["codec"])

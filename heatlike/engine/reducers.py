@@ -59,10 +59,11 @@ class Reducer:
         docstring)."""
         return self.comm.Dup(serial=True)
 
-    def prepare(self, values: torch.Tensor) -> None:
-        """Before the codec runs (default: nothing)."""
+    def prepare(self, values: torch.Tensor):
+        """Before the codec runs (default: nothing); returns what :meth:`finish` of the same
+        exchange needs (settings changed while it is in flight do not apply to it)."""
 
-    def finish(self, values: torch.Tensor) -> None:
+    def finish(self, values: torch.Tensor, token=None) -> None:
         """After the codec's last round (default: nothing)."""
 
     def combine(self, t: torch.Tensor, channel=None):
@@ -131,9 +132,10 @@ class AllReduce(Reducer):
         """Whether the reduction adds (use counters may then ride in the payload)."""
         return self.op not in ("min", "max")
 
-    def prepare(self, values: torch.Tensor) -> None:
+    def prepare(self, values: torch.Tensor) -> float:
         if self._divides and self.divide_before:
             values.div_(self.denom)
+        return self.denom
 
     def combine(self, t: torch.Tensor, channel=None):
         self.bytes_sent += _nbytes(t)
@@ -144,9 +146,9 @@ class AllReduce(Reducer):
             raise ValueError(f"op={self.op!r} needs a linear codec (identity or cast)")
         return (yield from super().gather(tensors, variable, channel))
 
-    def finish(self, values: torch.Tensor) -> None:
+    def finish(self, values: torch.Tensor, token: float | None = None) -> None:
         if self._divides and not self.divide_before:
-            values.div_(self.denom)
+            values.div_(self.denom if token is None else token)
 
 
 class Hierarchical(AllReduce):

@@ -2,8 +2,9 @@
 
 :func:`check_replicas` verifies that every rank built the same module (names, shapes, dtypes,
 ``requires_grad`` of parameters and buffers) and raises ValueError on every rank, naming the first
-difference, otherwise. :func:`broadcast_module` copies rank 0's parameters and buffers to every
-rank with one flat broadcast per dtype (or averages floating-point buffers): the way every
+difference, otherwise. :func:`verify_replicas` checks that the *values* are equal (bit for bit),
+by comparing one hash per rank. :func:`broadcast_module` copies rank 0's parameters and buffers
+to every rank with one flat broadcast per dtype (or averages floating-point buffers): the way every
 heatlike wrapper and optimizer starts, instead of reseeding the global RNG (Heat) or leaving the
 replicas unequal (mlbench's gradient mode).
 """
@@ -18,7 +19,7 @@ from mpi4py import MPI
 from ..core.communication import MPICommunication, sanitize_comm
 from .buckets import pack, unpack
 
-__all__ = ["check_replicas", "broadcast_module"]
+__all__ = ["check_replicas", "broadcast_module", "verify_replicas"]
 
 
 def _signature(module: torch.nn.Module) -> list[tuple]:
@@ -78,3 +79,34 @@ def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = No
             comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
             flat.div_(comm.size)
             unpack(flat, tensors)
+
+
+def _digest(tensors) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        t = t.detach()
+        h.update(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def verify_replicas(model: torch.nn.Module, comm: MPICommunication | None = None,
+                    buffers: bool = True) -> None:
+    """Collective. Raise ValueError on every rank unless the parameters (and, with ``buffers``,
+    the buffers) of ``model`` are bitwise equal on all ranks; the message names the ranks that
+    differ from rank 0 and the first tensors that do.
+
+    Costs one hash of the model per rank and one all-gather of 16-byte digests (a second,
+    per-tensor one only when they differ). A DataParallel wrapper is checked by its module.
+    """
+    comm = sanitize_comm(comm if comm is not None else getattr(model, "comm", None))
+    module = getattr(model, "module", model)
+    named = list(module.named_parameters()) + (list(module.named_buffers()) if buffers else [])
+    digests = comm.handle.allgather(_digest(t for _, t in named))
+    if len(set(digests)) == 1:
+        return
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    per_tensor = comm.handle.allgather([_digest([t]) for _, t in named])
+    names = [n for i, (n, _) in enumerate(named)
+             if any(per_tensor[r][i] != per_tensor[0][i] for r in differ)]
+    raise ValueError(f"the replicas differ: ranks {differ} have other values than rank 0 in "
+                     f"{names[:5]}{' ...' if len(names) > 5 else ''}")

@@ -5,4 +5,6 @@ from .data_parallel import (  # noqa: F401
     DataParallelMultiGPU,
     broadcast_module,
     check_replicas,
+    verify_replicas,
 )
+from .join import Join  # noqa: F401

@@ -20,16 +20,17 @@ from collections.abc import Iterator
 import torch
 from mpi4py import MPI
 
-from ..core.agreement import raise_together
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.buckets import pack, unpack
 from ..engine.codecs import Codec
 from ..engine.gradsync import GradientSync
-from ..engine.replicas import _by_dtype, broadcast_module, check_replicas
+from ..engine.replicas import _by_dtype, broadcast_module, check_replicas, verify_replicas
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
 
-__all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_replicas"]
+__all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_replicas",
+           "verify_replicas"]
 
 _BUFFER_MODES = ("broadcast", "average", None)
 
@@ -54,13 +55,15 @@ class DataParallel(torch.nn.Module):
         same name). Correctness never needs it (unused parameters are handled at the end of
         backward); it restores overlap when parameters go unused in some steps, for the cost of
         the graph walk. Assumes one forward per backward.
+    check_finite: raise ``FloatingPointError`` on every rank when the averaged gradients or the
+        parameters (checked before each training forward) hold a NaN or an infinity.
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPICommunication = MPI_WORLD,
                  optimizer: DataParallelOptimizer | None = None, *,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  sync_buffers: str | None = "broadcast", codec: Codec | None = None,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, check_finite: bool = False) -> None:
         super().__init__()
         comm = sanitize_comm(comm)
         error = None
@@ -73,6 +76,9 @@ class DataParallel(torch.nn.Module):
             error = ValueError(f"sync_buffers must be one of {_BUFFER_MODES}, "
                                f"got {sync_buffers!r}")
         raise_together(error, comm)
+        agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
+                  "sync_buffers": sync_buffers, "find_unused_parameters": find_unused_parameters,
+                  "check_finite": check_finite}, comm, "DataParallel")
         check_replicas(module, comm)
         if optimizer is not None:
             raise_together(_ownership_error(module, optimizer), comm)
@@ -81,10 +87,15 @@ class DataParallel(torch.nn.Module):
         self.optimizer = optimizer
         self.sync_buffers = sync_buffers
         self.find_unused_parameters = find_unused_parameters
+        self.check_finite = check_finite
+        self._join = None  # the heatlike.nn.Join context this model is in
+        self._buffer_root = 0  # the rank whose buffers are broadcast (Join may change it)
         broadcast_module(module, comm)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.grad_sync = GradientSync(
-            list(module.parameters()), comm, bucket_cap_mb, first_bucket_mb, codec=codec,
-            on_backward_end=self._backward_end)
+            [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,
+            on_backward_end=self._backward_end, check_finite=check_finite,
+            names=[n for n, _ in named])
         if optimizer is not None:
             optimizer._attach(self)
         self._handles = [module.register_forward_pre_hook(self._before_forward),
@@ -102,6 +113,13 @@ class DataParallel(torch.nn.Module):
             self.grad_sync.synchronize()
 
     def _before_forward(self, _module, _args) -> None:
+        if self._join is not None and self.training:
+            self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled)
+        if self.check_finite and self.training:
+            bad = [n for n, p in self.module.named_parameters()
+                   if not bool(torch.isfinite(p).all())]
+            if bad:  # the replicas are equal, so every rank finds the same
+                raise FloatingPointError(f"non-finite parameters {bad[:5]} (check_finite)")
         own = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
         if own:
             self._before_layer(own)
@@ -127,7 +145,7 @@ class DataParallel(torch.nn.Module):
         if self.sync_buffers == "broadcast":
             for tensors in _by_dtype(buffers).values():
                 flat = pack(tensors)
-                self.comm.Bcast(flat, root=0)
+                self.comm.Bcast(flat, root=self._buffer_root)
                 unpack(flat, tensors)
         else:
             floats = [b for b in buffers if b.is_floating_point()]
@@ -170,8 +188,16 @@ class DataParallel(torch.nn.Module):
         return super().train(mode)
 
     def state_dict(self, *args, **kwargs):
+        """The module's state under ``module.`` and the engine's (bucket plan, counters, codec
+        state) under ``_extra_state``; pending updates are applied first."""
         self.flush()
         return super().state_dict(*args, **kwargs)
+
+    def get_extra_state(self) -> dict:
+        return {"engine": self.grad_sync.state_dict()}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.grad_sync.load_state_dict(state["engine"])
 
 
 class DataParallelMultiGPU(torch.nn.Module):
@@ -218,6 +244,13 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def get_extra_state(self) -> dict:
+        return {"engine": self.grad_sync.state_dict() if self.grad_sync is not None else None}
+
+    def set_extra_state(self, state: dict) -> None:
+        if self.grad_sync is not None and state.get("engine") is not None:
+            self.grad_sync.load_state_dict(state["engine"])
 
 
 def _parameters_reached(output) -> set[int]:

@@ -17,7 +17,8 @@ initializations by a factor 1/sqrt(P)). ``by_layer=True`` gives every tensor its
 collective per tensor, as mlbench's ``by_layer``); otherwise tensors share buckets of
 ``bucket_cap_mb``.
 ``codec=`` and ``reducer=`` replace the engine's defaults (float32 values, flat all-reduce) for
-any preset, e.g. ``codec=heatlike.engine.Cast(torch.bfloat16)``.
+any preset, e.g. ``codec=heatlike.engine.Cast(torch.bfloat16)``; ``check_finite=True`` raises
+``FloatingPointError`` on every rank when the averaged gradients are not finite.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class GenericCentralizedOptimizer:
                  use_cuda: bool = False, by_layer: bool = False, divide_before: bool = False,
                  agg_grad: bool = True, *, comm: MPICommunication | None = None,
                  codec: Codec | None = None, reducer: Reducer | None = None,
-                 bucket_cap_mb: float = 25.0, _op: str = "avg", _hooks: bool = True) -> None:
+                 bucket_cap_mb: float = 25.0, check_finite: bool = False, _op: str = "avg",
+                 _hooks: bool = True) -> None:
         comm = sanitize_comm(comm)
         error = None
         try:
@@ -87,9 +89,11 @@ class GenericCentralizedOptimizer:
         cap = 1e-6 if by_layer else bucket_cap_mb
         broadcast_module(model, comm)
         if agg_grad:
-            self.sync = GradientSync(list(model.parameters()), comm, cap, cap, codec=codec,
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self.sync = GradientSync([p for _, p in named], comm, cap, cap, codec=codec,
                                      reducer=reducer, hooks=_hooks,
-                                     on_backward_end=self._backward_end)
+                                     on_backward_end=self._backward_end,
+                                     check_finite=check_finite, names=[n for n, _ in named])
         else:
             self.sync = ParameterSync(list(model.parameters()), comm, codec=codec,
                                       reducer=reducer, bucket_cap_mb=cap)
@@ -141,12 +145,13 @@ class GenericCentralizedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """The local optimizer's state and the engine's (codec residuals, warm starts)."""
-        return {"optimizer": self.optimizer.state_dict(), "codec": self.sync.codec.state_dict()}
+        """The local optimizer's state and the engine's (bucket plan, counters, codec residuals
+        and warm starts)."""
+        return {"optimizer": self.optimizer.state_dict(), "engine": self.sync.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.sync.codec.load_state_dict(state["codec"])
+        self.sync.load_state_dict(state["engine"])
 
     def __repr__(self) -> str:
         mode = "gradients" if self.agg_grad else "weights"

@@ -106,16 +106,17 @@ class _UpdateSync(torch.optim.Optimizer):
             p.grad = g
 
     def state_dict(self) -> dict:
+        """torch's optimizer state plus the engine's (the memory: codec residuals)."""
         state = super().state_dict()
-        state["codec"] = self.sync.codec.state_dict()
+        state["engine"] = self.sync.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
-        codec_state = state_dict.pop("codec", None)
+        engine = state_dict.pop("engine", None)
         super().load_state_dict(state_dict)
-        if codec_state is not None:
-            self.sync.codec.load_state_dict(codec_state)
+        if engine is not None:
+            self.sync.load_state_dict(engine)
 
 
 def _by_dtype(tensors):

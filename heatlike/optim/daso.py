@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
-from ..core.agreement import raise_together
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, Request, sanitize_comm
 from ..core.topology import Topology
 from ..engine.buckets import comm_buffer, pack, unpack
@@ -132,6 +132,9 @@ class DASO:
                  verbose: bool = False) -> None:
         comm = sanitize_comm(comm)
         raise_together(_check_arguments(locals()), comm)
+        agree_on({k: v for k, v in locals().items()
+                  if k not in ("self", "comm", "local_optimizer", "scheduler", "verbose")},
+                 comm, "DASO")
         self.comm = comm
         self.local_optimizer = local_optimizer
         self.total_epochs = total_epochs
@@ -363,16 +366,23 @@ class DASO:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The local optimizer's state and DASO's schedule (pending synchronizations are
-        completed first)."""
-        for sync in list(self._pending):
-            self._pending.remove(sync)
-            self._receive(sync, blocking=False)
+        """The local optimizer's state, DASO's schedule and the global synchronizations in flight
+        (their all-reduces are completed; each is still merged at its own batch, so a run
+        resumed from this state continues exactly)."""
+        pending = []
+        for sync in self._pending:
+            for request in sync.requests:
+                request.Wait()
+            sync.requests = []
+            pending.append({"group": sync.group, "start": sync.start,
+                            "receive_at": sync.receive_at, "btw": sync.btw,
+                            "payload": sync.payload})
         return {"local_optimizer": self.local_optimizer.state_dict(),
                 "epoch": self.epoch, "current_batch": self.current_batch,
                 "global_skip": self.global_skip, "local_skip": self.local_skip,
                 "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
-                "stability": self.stability.state_dict(), "ref": self._ref.clone()}
+                "stability": self.stability.state_dict(), "ref": self._ref.clone(),
+                "engine": {"pending": pending}}
 
     def load_state_dict(self, state: dict) -> None:
         self.local_optimizer.load_state_dict(state["local_optimizer"])
@@ -381,6 +391,13 @@ class DASO:
         self.batches_to_wait, self._send_mod = state["batches_to_wait"], state["send_mod"]
         self.stability.load_state_dict(state["stability"])
         self._ref.copy_(state["ref"])
+        _complete_pending(self._pending)
+        self._pending.clear()
+        for saved in state.get("engine", {}).get("pending", []):
+            payload = saved["payload"]
+            self._pending.append(_Sync(saved["group"], saved["start"], saved["receive_at"],
+                                       saved["btw"], payload=None if payload is None else
+                                       payload.to(self._ref.device)))
 
 
 def _complete_pending(pending: list) -> None:

@@ -101,8 +101,8 @@ class DecentralizedSGD:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "codec": self.sync.codec.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "engine": self.sync.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        self.sync.codec.load_state_dict(state["codec"])
+        self.sync.load_state_dict(state["engine"])

@@ -84,7 +84,7 @@ class DistOpt:
         self._partitions: dict = {}
         self._pending: list[tuple[Request, object]] = []
         self._staged: list[torch.Tensor] = []
-        self._saved_codec_states: dict = {}
+        self._saved_sync_states: dict = {}
         self._lanes: dict = {}
 
     # -- the local optimizer ---------------------------------------------------------------------
@@ -247,9 +247,9 @@ class DistOpt:
                                 on_backward_end=lambda: self._syncs[key].synchronize())
             sync.enabled = False
             self._syncs[key] = sync
-            saved = self._saved_codec_states.pop(repr(key), None)
+            saved = self._saved_sync_states.pop(repr(key), None)
             if saved is not None:
-                sync.codec.load_state_dict(saved)
+                sync.load_state_dict(saved)
         return sync
 
     @contextlib.contextmanager
@@ -310,19 +310,19 @@ class DistOpt:
     # -- state -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The torch optimizer's state, every mode's codec state (residuals) and the partition
-        counter."""
+        """The torch optimizer's state, every mode's engine state (bucket plan, residuals) and
+        the partition counter."""
         return {"opt": self.opt.state_dict(), "partial": self.partial,
-                "codecs": {repr(k): s.codec.state_dict() for k, s in self._syncs.items()}}
+                "engine": {repr(k): s.state_dict() for k, s in self._syncs.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["opt"])
         self.partial = int(state["partial"])
-        self._saved_codec_states = dict(state["codecs"])  # modes not used yet get theirs later
+        self._saved_sync_states = dict(state["engine"])  # modes not used yet get theirs later
         for key, sync in self._syncs.items():
-            saved = self._saved_codec_states.pop(repr(key), None)
+            saved = self._saved_sync_states.pop(repr(key), None)
             if saved is not None:
-                sync.codec.load_state_dict(saved)
+                sync.load_state_dict(saved)
 
     get_states = state_dict
     set_states = load_state_dict

@@ -184,7 +184,8 @@ class FP16Optimizer:
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "fp32_params": self.fp32_params.detach().clone(),
-                "loss_scale": self.loss_scale, "since_backoff": self.since_backoff}
+                "loss_scale": self.loss_scale, "since_backoff": self.since_backoff,
+                "engine": self.sync.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         with torch.no_grad():
@@ -192,5 +193,7 @@ class FP16Optimizer:
         self.fp32_to_fp16_weights(self.fp16_model, self.fp32_params)
         self.loss_scale = float(state["loss_scale"])
         self.since_backoff = int(state["since_backoff"])
+        if "engine" in state:
+            self.sync.load_state_dict(state["engine"])
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])

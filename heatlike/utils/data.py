@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 
 __all__ = ["DistributedBatchSampler", "Dataset", "DataLoader"]
@@ -187,7 +188,9 @@ class DataLoader:
     following :class:`DistributedBatchSampler`: same number of batches on every rank, reshuffled
     every epoch from ``seed``. ``progress=True`` shows a tqdm bar on rank 0 only.
 
-    Iterating starts the next epoch (``set_epoch`` chooses one explicitly)."""
+    Iterating starts the next epoch (``set_epoch`` chooses one explicitly). ``state_dict()``
+    records the epoch and how many batches of it were served; after ``load_state_dict`` the next
+    iteration continues the interrupted epoch with the batch after the last one served."""
 
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, comm: MPICommunication | None = None,
@@ -197,10 +200,19 @@ class DataLoader:
         self.dataset = dataset
         distributed = isinstance(dataset, Dataset) and dataset.distributed
         self.comm = sanitize_comm(dataset.comm if distributed else comm)
-        self.sampler = DistributedBatchSampler(len(dataset), batch_size, self.comm, shuffle,
-                                               seed, drop_last)
+        error = None
+        try:
+            self.sampler = DistributedBatchSampler(len(dataset), batch_size, self.comm, shuffle,
+                                                   seed, drop_last)
+        except (TypeError, ValueError) as e:
+            error = e
+        raise_together(error, self.comm)
+        agree_on({"samples": len(dataset), "batch_size": batch_size, "shuffle": shuffle,
+                  "seed": seed, "drop_last": drop_last}, self.comm, "the DataLoader")
         self.progress = progress
         self.collate_fn = collate_fn
+        self._position = 0  # batches of the current epoch served so far
+        self._skip = 0      # batches the next iteration skips (a restored position)
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -213,17 +225,37 @@ class DataLoader:
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def _batches(self) -> Iterator:
+    def state_dict(self) -> dict:
+        """The epoch, the samples of it served so far (over all ranks) and the sampling
+        configuration they refer to."""
+        return {"epoch": self.sampler.epoch,
+                "samples": self._position * self.sampler.global_batch_size,
+                "seed": self.sampler.seed, "shuffle": self.sampler.shuffle,
+                "num_samples": self.sampler.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue where :meth:`state_dict` was taken (at another world size, from the first
+        global batch not completely served)."""
+        mine = (self.sampler.seed, self.sampler.shuffle, self.sampler.num_samples)
+        saved = (state["seed"], state["shuffle"], state["num_samples"])
+        if mine != saved:
+            raise ValueError(f"the saved data loader state is for (seed, shuffle, samples) = "
+                             f"{saved}, this loader has {mine}")
+        self.sampler.set_epoch(int(state["epoch"]))
+        self._skip = int(state["samples"]) // self.sampler.global_batch_size
+        self._position = self._skip
+
+    def _batches(self, skip: int = 0) -> Iterator:
         ds = self.dataset
         if not (isinstance(ds, Dataset) and ds.distributed):
-            yield from torch.utils.data.DataLoader(ds, batch_sampler=self.sampler,
+            yield from torch.utils.data.DataLoader(ds, batch_sampler=list(self.sampler)[skip:],
                                                    collate_fn=self.collate_fn)
             return
         wanted = [self.sampler.rank_indices(r) for r in range(self.comm.size)]
         arrays = ds.fetch(wanted, self.comm)
         b = self.sampler.batch_size
         transformed = ds.transform is not None or ds.target_transform is not None
-        for step in range(len(self)):
+        for step in range(skip, len(self)):
             rows = [a[step * b:(step + 1) * b] for a in arrays]
             if transformed:
                 targets = rows[1] if len(rows) > 1 else [None] * b
@@ -233,11 +265,16 @@ class DataLoader:
                 yield rows[0] if len(rows) == 1 else tuple(rows)
 
     def __iter__(self) -> Iterator:
-        batches = self._batches()
+        skip, self._skip = self._skip, 0
+        self._position = skip
+        batches = self._batches(skip)
         if self.progress:
             from tqdm.auto import tqdm
 
-            batches = tqdm(batches, total=len(self), disable=self.comm.rank != 0,
+            batches = tqdm(batches, total=len(self), initial=skip, disable=self.comm.rank != 0,
                            desc=f"epoch {self.sampler.epoch}", leave=False)
-        yield from batches
+        for batch in batches:
+            self._position += 1
+            yield batch
         self.sampler.set_epoch(self.sampler.epoch + 1)
+        self._position = 0

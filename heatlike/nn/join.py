@@ -1,0 +1,217 @@
+"""Uneven inputs: ranks that run out of batches keep answering the others' collectives.
+
+``with heatlike.nn.Join([model, optimizer]):`` around a training loop lets ranks run different
+numbers of iterations (torch's ``Join`` semantics):
+
+* At the start of every iteration a rank still training *notifies*: a sum of ``[1, syncing]``
+  and a maximum of its rank, two small concurrent all-reduces on a private duplicate of the
+  communicator (from the forward pre-hook of a :class:`~heatlike.nn.DataParallel`, or when a
+  centralized optimizer's gradient synchronization begins). They tell every rank how many ranks
+  A are still training, and the highest of them, which from then on broadcasts the buffers
+  (BatchNorm statistics) in place of rank 0 (a rank that has joined has none to offer).
+* A rank that leaves the loop joins (``__exit__``): it contributes ``[0, 0]`` to each
+  notification, and for every iteration of the others runs a *shadow* of it: the buffer
+  broadcast, the gradient exchange with no gradients (all zeros, every parameter's use flag 0)
+  and the optimizer step with the averaged gradients the others computed, so its replica stays
+  identical to theirs. When a notification returns A = 0 every rank has joined; the parameters
+  and buffers are then broadcast from the last rank to join (a no-op when the shadows kept the
+  replicas equal, a guarantee when they could not, e.g. a torch optimizer not passed to Join).
+* While A < P, gradients are averaged over the A ranks that contributed (the gradient of the
+  combined batch of the ranks still training), not over P.
+
+``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as soon as one
+rank runs out of inputs. Only the joinables' own collectives are shadowed: other collectives in
+the loop (a metric all-reduce) need the same number of calls on every rank.
+
+Joinables: :class:`~heatlike.nn.DataParallel` (with its DataParallelOptimizer, if any), the
+centralized gradient-averaging optimizers (``CentralizedSGD``, ``CentralizedAdam``,
+``CustomCentralizedOptimizer``, ``PowerSGD``) and torch optimizers (stepped in the shadow
+iterations of a DataParallel they belong to).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..core.agreement import raise_together
+from ..core.communication import MPICommunication, sanitize_comm
+from ..engine.reducers import AllReduce
+from ..engine.replicas import broadcast_module
+from .data_parallel import DataParallel
+
+__all__ = ["Join"]
+
+_CURRENT: list[Join] = []
+
+
+class Join:
+    """Context manager for uneven inputs (module docstring).
+
+    Parameters
+    ----------
+    joinables: DataParallel models, centralized optimizers and torch optimizers.
+    enable: False makes the context a no-op (same code with and without uneven inputs).
+    throw_on_early_termination: raise on every rank once any rank runs out of inputs.
+    comm: the communicator (default: the joinables').
+    """
+
+    def __init__(self, joinables: Iterable, enable: bool = True,
+                 throw_on_early_termination: bool = False,
+                 comm: MPICommunication | None = None) -> None:
+        from ..optim.centralized import GenericCentralizedOptimizer
+
+        joinables = list(joinables) if not isinstance(joinables, (torch.nn.Module,
+                                                                   torch.optim.Optimizer)) \
+            else [joinables]
+        self.models: list[DataParallel] = []
+        self.optimizers: list[GenericCentralizedOptimizer] = []
+        self.torch_optimizers: list[torch.optim.Optimizer] = []
+        error: Exception | None = None
+        comms = []
+        for j in joinables:
+            if isinstance(j, DataParallel):
+                self.models.append(j)
+                comms.append(j.comm)
+            elif isinstance(j, GenericCentralizedOptimizer) and j.agg_grad:
+                self.optimizers.append(j)
+                comms.append(j.comm)
+            elif isinstance(j, torch.optim.Optimizer):
+                self.torch_optimizers.append(j)
+            else:
+                error = error or TypeError(
+                    f"Join supports heatlike.nn.DataParallel, the centralized gradient-averaging "
+                    f"optimizers and torch optimizers, got {type(j).__name__}")
+        comm = sanitize_comm(comm if comm is not None else (comms[0] if comms else None))
+        if error is None and not (self.models or self.optimizers):
+            error = ValueError("Join needs a DataParallel model or a centralized optimizer "
+                               "among its joinables")
+        if error is None and any(MPI.Comm.Compare(c.handle, comm.handle) not in
+                                 (MPI.IDENT, MPI.CONGRUENT) for c in comms):
+            error = ValueError("all joinables must work on the same communicator")
+        if error is None and self.torch_optimizers and not self.models:
+            error = ValueError("torch optimizers join through a DataParallel model: pass the "
+                               "model too")
+        raise_together(error, comm)
+        self.comm = comm
+        self.enable = bool(enable)
+        self.throw = bool(throw_on_early_termination)
+        self.iterations = 0      # iterations this rank ran itself
+        self.joined = False
+        self.active = comm.size  # ranks still training, from the last notification
+        self._channel: MPI.Intracomm | None = None
+
+    # -- the context ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Join:
+        if not self.enable:
+            return self
+        if _CURRENT:
+            raise RuntimeError("Join contexts cannot be nested")
+        self._channel = self.comm.handle.Dup()
+        self.iterations, self.joined, self.active = 0, False, self.comm.size
+        for model in self.models:
+            model._join = self
+        for opt in self.optimizers:
+            opt.sync.on_begin = lambda: self.notify(True)
+        _CURRENT.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.enable:
+            return False
+        try:
+            if exc_type is None:
+                self._join()
+        finally:
+            _CURRENT.remove(self)
+            for model in self.models:
+                model._join = None
+                model._buffer_root = 0
+            for opt in self.optimizers:
+                opt.sync.on_begin = None
+            self._set_denominators(self.comm.size)
+            self._channel.Free()
+            self._channel = None
+        return False
+
+    # -- protocol ------------------------------------------------------------------------------
+
+    def _allreduce(self, active: int, syncing: int) -> tuple[int, int]:
+        counts = np.array([active, syncing], dtype=np.int64)
+        highest = np.array([self.comm.rank if active else -1], dtype=np.int64)
+        MPI.Request.Waitall([self._channel.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM),
+                             self._channel.Iallreduce(MPI.IN_PLACE, highest, MPI.MAX)])
+        if highest[0] >= 0:
+            for model in self.models:
+                model._buffer_root = int(highest[0])
+        return int(counts[0]), int(counts[1])
+
+    def notify(self, syncing: bool) -> None:
+        """A training rank starts an iteration (called by the joinables' hooks)."""
+        if self.joined or self._channel is None:
+            return
+        self.iterations += 1
+        self.active, _ = self._allreduce(1, int(syncing))
+        if self.throw and self.active < self.comm.size:
+            raise RuntimeError(f"rank {self.comm.rank}: {self.comm.size - self.active} rank(s) "
+                               "ran out of inputs (Join(throw_on_early_termination=True))")
+        self._set_denominators(self.active)
+
+    def _join(self) -> None:
+        """This rank ran out of inputs: shadow the others' iterations until all have joined."""
+        self.joined = True
+        for model in self.models:
+            model.flush()
+        while True:
+            active, syncing = self._allreduce(0, 0)
+            if active == 0:
+                break
+            if self.throw:
+                raise RuntimeError(f"rank {self.comm.rank} ran out of inputs after "
+                                   f"{self.iterations} iteration(s) while {active} rank(s) "
+                                   "still train (Join(throw_on_early_termination=True))")
+            self._set_denominators(active)
+            self._shadow(syncing > 0)
+        self._finish()
+
+    def _shadow(self, syncing: bool) -> None:
+        for model in self.models:
+            if model.training and model.sync_buffers is not None and model.comm.size > 1:
+                model._sync_buffers()
+            if not syncing:
+                continue
+            sync = model.grad_sync
+            for p in sync.params:
+                p.grad = None
+            if model.optimizer is not None:
+                model.optimizer.step()
+                model.optimizer.flush()
+            else:
+                sync.launch_all()
+                sync.synchronize()
+                for opt in self.torch_optimizers:
+                    opt.step()
+        for opt in self.optimizers:
+            for p in opt.sync.params:
+                p.grad = None
+            opt.step()
+
+    def _finish(self) -> None:
+        """Every rank has joined: make the replicas equal to the last rank to join."""
+        counts = self.comm.handle.allgather(self.iterations)
+        last = int(np.argmax(counts))
+        for model in self.models:
+            broadcast_module(model.module, self.comm, root=last)
+        for opt in self.optimizers:
+            broadcast_module(opt.model, self.comm, root=last)
+
+    def _set_denominators(self, active: int) -> None:
+        syncs = [m.grad_sync for m in self.models] + [o.sync for o in self.optimizers]
+        for sync in syncs:
+            reducer = sync.reducer
+            if isinstance(reducer, AllReduce) and reducer.op == "avg" and active > 0:
+                reducer.set_denom(active)

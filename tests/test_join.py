@@ -1,0 +1,161 @@
+"""heatlike.nn.Join: ranks with fewer batches shadow the others' iterations.
+
+Reference: one process replays the run, averaging at each step the gradients of the ranks that
+still had a batch (the combined batch of the ranks still training); every rank compares its
+parameters and its optimizer state (momentum) with it.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import heatlike as hl
+from heatlike.nn import DataParallel, Join
+from heatlike.optim import CentralizedSGD, DataParallelOptimizer
+
+pytestmark = pytest.mark.mpi
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _steps(rank: int) -> int:
+    return 2 + 2 * rank  # rank 0 runs out first, the last rank trains longest
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _reference(size: int):
+    """(model, optimizer) after the uneven run, replayed in one process."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(max(_steps(r) for r in range(size))):
+        active = [r for r in range(size) if step < _steps(r)]
+        grads = []
+        for r in active:
+            net.zero_grad()
+            loss_fn(net(_batch(r, step)[0]), _batch(r, step)[1]).backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for i, p in enumerate(net.parameters()):
+            p.grad = sum(g[i] for g in grads) / len(active)
+        opt.step()
+    return net, opt
+
+
+def _check(net, opt, comm):
+    ref_net, ref_opt = _reference(comm.size)
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        assert torch.allclose(p, q, **TOL), "parameters"
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        mine = opt.state[p]["momentum_buffer"]
+        assert torch.allclose(mine, ref_opt.state[q]["momentum_buffer"], **TOL), "momentum"
+    hl.nn.verify_replicas(net, comm)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_data_parallel_with_uneven_batches_matches_the_combined_batch(comm, blocking):
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    loss_fn = nn.CrossEntropyLoss()
+    with Join([model]) as join:
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    model.flush()
+    assert join.iterations == _steps(comm.rank)
+    _check(net, opt.torch_optimizer, comm)
+    assert model.grad_sync.reducer.denom == comm.size  # restored after the join
+
+
+def test_data_parallel_with_a_torch_optimizer_joins(comm):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = DataParallel(net, comm)
+    loss_fn = nn.CrossEntropyLoss()
+    with Join([model, opt]):
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    _check(net, opt, comm)
+
+
+def test_centralized_optimizer_joins(comm):
+    net = _net()
+    opt = CentralizedSGD(model=net, lr=0.1, momentum=0.9, comm=comm)
+    loss_fn = nn.CrossEntropyLoss()
+    with Join([opt]):
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+    _check(net, opt.optimizer, comm)
+
+
+def test_a_rank_without_any_batch(comm):
+    """Rank 0 has no data at all; buffers (BatchNorm statistics) are broadcast in the shadows
+    and the replicas stay equal."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt)
+    steps = 0 if comm.rank == 0 else 3
+    with Join([model]):
+        for step in range(steps):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    hl.nn.verify_replicas(net, comm)
+    if comm.size > 1:
+        assert int(net[1].num_batches_tracked) == 3
+
+
+def test_throw_on_early_termination_raises_on_every_rank(comm):
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt)
+    if comm.size == 1:
+        pytest.skip("needs a second rank")
+    with pytest.raises(RuntimeError, match="ran out of inputs"):
+        with Join([model], throw_on_early_termination=True):
+            for step in range(_steps(comm.rank)):
+                x, y = _batch(comm.rank, step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+
+
+def test_disabled_join_is_a_no_op(comm):
+    net = _net()
+    model = DataParallel(net, comm)
+    with Join([model], enable=False) as join:
+        model(torch.randn(2, 6)).sum().backward()
+    assert join.iterations == 0
+
+
+def test_bad_joinables_raise_on_every_rank(comm):
+    with pytest.raises(TypeError, match="Join supports"):
+        Join([nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="DataParallel model or a centralized"):
+        Join([])
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="through a DataParallel"):
+        Join([opt, CentralizedSGD(model=copy.deepcopy(net), lr=0.1, comm=comm)])

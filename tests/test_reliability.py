@@ -1,0 +1,175 @@
+"""Consistency checks, deadlines, replica verification, non-finite detection and agreement on
+settings, each raising the same error on every rank."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import heatlike as hl
+from heatlike.core import checks
+from heatlike.core.agreement import agree_on
+from heatlike.engine import Sign, TopK
+from heatlike.nn import DataParallel, verify_replicas
+from heatlike.optim import CentralizedSGD, DataParallelOptimizer
+from heatlike.utils.data import DataLoader
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def checking():
+    checks.set_check(True)
+    yield
+    checks.set_check(False)
+
+
+@pytest.fixture
+def deadline():
+    checks.set_timeout(0.5)
+    yield
+    checks.set_timeout(None)
+
+
+def test_check_mode_finds_mismatched_collectives_on_every_rank(comm, checking):
+    if comm.size == 1:
+        pytest.skip("one rank always agrees with itself")
+    last = comm.size - 1
+    x = torch.ones(5 if comm.rank == last else 4)
+    with pytest.raises(ValueError, match=rf"rank 0 calls \(Allreduce, op SUM, float32, 4 "
+                                         rf"elements\) but rank {last} calls .*5 elements"):
+        comm.Allreduce(hl.IN_PLACE, x)
+    y = torch.ones(3, dtype=torch.float64 if comm.rank == last else torch.float32)
+    with pytest.raises(ValueError, match="float64"):
+        comm.Bcast(y, root=0)
+    with pytest.raises(ValueError, match="root"):
+        comm.Bcast(torch.ones(2), root=0 if comm.rank != last else 1)
+    with pytest.raises(ValueError, match="Barrier"):
+        if comm.rank == last:
+            comm.Barrier()
+        else:
+            comm.Allreduce(hl.IN_PLACE, torch.ones(1))
+    # matching calls go through, with their results
+    z = torch.full((3,), float(comm.rank))
+    comm.Allreduce(hl.IN_PLACE, z)
+    assert torch.equal(z, torch.full((3,), float(sum(range(comm.size)))))
+    req = comm.Iallreduce(hl.IN_PLACE, z)
+    req.Wait()
+    assert torch.equal(z, torch.full((3,), float(sum(range(comm.size)) * comm.size)))
+
+
+def test_deadline_names_the_ranks_that_have_not_arrived(comm, deadline):
+    if comm.size == 1:
+        pytest.skip("needs a rank to wait for")
+    last = comm.size - 1
+    comm.Allreduce(hl.IN_PLACE, torch.ones(1))
+    if comm.rank == last:
+        time.sleep(1.2)
+    request = comm.Ibarrier()
+    if comm.rank != last:
+        with pytest.raises(TimeoutError, match=rf"barrier .* did not complete within 0.5 s "
+                                               rf"\(HEATLIKE_COMM_TIMEOUT\); ranks \[{last}\] "
+                                               rf"have not arrived \(rank {last} is at #\d+ "
+                                               rf"Allreduce\)"):
+            request.Wait()
+    checks.set_timeout(None)
+    request.Wait()  # the barrier completes once the late rank arrives
+
+
+def test_verify_replicas(comm):
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model = DataParallel(net, comm)
+    verify_replicas(model)
+    if comm.size == 1:
+        return
+    with torch.no_grad():
+        if comm.rank == comm.size - 1:
+            net[0].bias[1] += 1e-7
+    with pytest.raises(ValueError, match=rf"ranks \[{comm.size - 1}\] have other values than "
+                                         r"rank 0 in \['0.bias'\]"):
+        verify_replicas(model)
+    if comm.rank == comm.size - 1:
+        net[1].running_mean[0] = 1.0
+    with pytest.raises(ValueError, match="1.running_mean"):
+        verify_replicas(net, comm)
+    with pytest.raises(ValueError, match="0.bias"):
+        verify_replicas(net, comm, buffers=False)
+
+
+def _nonfinite_step(model, opt, comm, poison_rank):
+    opt.zero_grad()
+    x = torch.randn(4, 3)
+    if comm.rank == poison_rank:
+        x[0, 0] = float("nan")
+    model(x).sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("codec", [None, TopK(k=1), Sign()], ids=["identity", "topk", "sign"])
+def test_check_finite_raises_on_every_rank(comm, codec):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, codec=codec, check_finite=True)
+    _nonfinite_step(model, opt, comm, poison_rank=-1)  # a clean step
+    last = comm.size - 1
+    here = "were non-finite in" if comm.rank == last else "were finite"
+    with pytest.raises(FloatingPointError, match=rf"non-finite averaged gradients of .*weight.*"
+                                                 rf"own gradients {here}"):
+        _nonfinite_step(model, opt, comm, poison_rank=last)
+    with torch.no_grad():
+        net[2].weight[0, 0] = float("inf")  # the same on every rank: replicas stay equal
+    with pytest.raises(FloatingPointError, match=r"non-finite parameters \['2.weight'\]"):
+        model(torch.randn(2, 3))
+
+
+def test_centralized_check_finite(comm):
+    net = nn.Linear(3, 2)
+    opt = CentralizedSGD(model=net, lr=0.1, comm=comm, check_finite=True)
+    opt.zero_grad()
+    x = torch.randn(2, 3)
+    if comm.rank == 0:
+        x[1, 2] = float("inf")
+    with pytest.raises(FloatingPointError, match="weight"):
+        net(x).sum().backward()
+        opt.step()
+
+
+def test_amp_scaler_skips_together(comm):
+    """A GradScaler step is skipped on every rank when one rank's gradients overflow, also
+    through a lossy codec (the non-finite marker), and the replicas stay equal."""
+    for codec in (None, Sign()):
+        torch.manual_seed(0)
+        net = nn.Linear(3, 2)
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+        model = DataParallel(net, comm, optimizer=opt, codec=codec)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        before = [p.detach().clone() for p in net.parameters()]
+        x = torch.randn(2, 3)
+        if comm.rank == comm.size - 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(opt.torch_optimizer)
+        scaler.update()
+        assert scaler.get_scale() == 2.0 ** 7  # skipped and backed off, everywhere
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+        verify_replicas(net, comm)
+
+
+def test_settings_must_agree(comm):
+    agree_on({"a": 1, "b": "x"}, comm)
+    if comm.size == 1:
+        return
+    last = comm.size - 1
+    with pytest.raises(ValueError, match=rf"'b' .*differs between ranks \(rank 0: 'x', .*"
+                                         rf"rank {last}: 'y'\)"):
+        agree_on({"a": 1, "b": "y" if comm.rank == last else "x"}, comm)
+    with pytest.raises(ValueError, match="'bucket caps' of the gradient synchronization"):
+        DataParallel(nn.Linear(2, 2), comm, bucket_cap_mb=1.0 if comm.rank == last else 2.0)
+    with pytest.raises(ValueError, match="'batch_size' of the DataLoader"):
+        DataLoader(torch.zeros(16, 2), batch_size=2 + (comm.rank == last), comm=comm)
+    with pytest.raises(ValueError, match="'codec'"):
+        CentralizedSGD(model=nn.Linear(2, 2), lr=0.1, comm=comm,
+                       codec=TopK(k=1) if comm.rank == last else None)

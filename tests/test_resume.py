@@ -1,0 +1,76 @@
+"""Resume in a new process (examples/resume.py under mpiexec): a run stopped after k steps and
+started again ends with the same parameters, bit for bit, as a run never stopped; so does a run
+whose rank was killed between two checkpoints; a checkpoint loads at another world size."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_launch import mpiexec
+
+from heatlike.testing.matrix import _clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "resume.py"
+
+
+def _job(ranks: int, *args, env=None, check=True) -> str:
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, "-m", "heatlike",
+                           str(EXAMPLE), *map(str, args)], capture_output=True, text=True,
+                          timeout=180, env={**_clean_env(), "HEATLIKE_LOG_RANKS": "0",
+                                            **(env or {})})
+    out = proc.stdout + proc.stderr
+    if check:
+        assert proc.returncode == 0, out
+    return out
+
+
+def _digest(out: str) -> str:
+    found = re.findall(r"final parameters sha256: (\w+)", out)
+    assert found, out
+    return found[-1]
+
+
+# (algorithm, ranks, epochs, stop after, environment): DASO on two emulated nodes stops right
+# after a global synchronization was sent and before it is merged
+CASES = [("allreduce", 2, 2, 50, {}),
+         ("daso", 2, 3, 54, {"HEATLIKE_RANKS_PER_NODE": "1"}),
+         ("powersgd-2", 2, 2, 50, {}),
+         ("topk-1%", 3, 2, 40, {}),
+         ("distopt-sparse", 2, 2, 50, {})]
+
+
+@pytest.mark.parametrize("name,ranks,epochs,stop,env", CASES, ids=[c[0] for c in CASES])
+def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, name, ranks, epochs, stop, env):
+    common = ["--algorithm", name, "--epochs", epochs]
+    straight = _job(ranks, *common, "--checkpoint", tmp_path / "a.ckpt", env=env)
+    path = tmp_path / "b.ckpt"
+    first = _job(ranks, *common, "--checkpoint", path, "--stop-after", stop, env=env)
+    assert f"stopped after step {stop}" in first
+    second = _job(ranks, *common, "--checkpoint", path, env=env)
+    assert f"resumed from {path} at step {stop}" in second
+    assert _digest(second) == _digest(straight)
+
+
+def test_a_kill_between_checkpoints_resumes_from_the_last_complete_one(tmp_path):
+    path = tmp_path / "c.ckpt"
+    common = ["--algorithm", "allreduce", "--epochs", 2, "--checkpoint", path]
+    straight = _job(2, "--algorithm", "allreduce", "--epochs", 2,
+                    "--checkpoint", tmp_path / "d.ckpt")
+    killed = _job(2, *common, "--save-every", 20, "--kill-at", 50, check=False)
+    assert "final parameters" not in killed
+    resumed = _job(2, *common, "--save-every", 20)
+    assert f"resumed from {path} at step 40" in resumed
+    assert _digest(resumed) == _digest(straight)
+
+
+def test_a_checkpoint_loads_at_another_world_size(tmp_path):
+    path = tmp_path / "e.ckpt"
+    common = ["--algorithm", "topk-1%", "--epochs", 2, "--checkpoint", path]
+    _job(2, *common, "--stop-after", 30)
+    out = _job(3, *common)
+    assert "saved at 2 ranks, loaded at 3" in out and "reset: optimizer.engine" in out, out
+    accuracy = float(re.findall(r"test accuracy: ([\d.]+)", out)[-1])
+    assert accuracy > 0.85, out
