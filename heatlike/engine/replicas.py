@@ -16,6 +16,7 @@ import hashlib
 import torch
 from mpi4py import MPI
 
+from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from .buckets import pack, unpack
 
@@ -52,6 +53,14 @@ def check_replicas(module: torch.nn.Module, comm: MPICommunication | None = None
     raise ValueError(f"the module differs between ranks: {detail}")
 
 
+def no_trainable_parameters(module: torch.nn.Module, who: str) -> ValueError | None:
+    """The error for a module with nothing to train (None when it has a trainable parameter)."""
+    if any(p.requires_grad for p in module.parameters()):
+        return None
+    return ValueError(f"{who} got a module with no trainable parameters (none, or all with "
+                      "requires_grad=False): there is nothing to synchronize")
+
+
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
@@ -61,10 +70,15 @@ def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
 
 @torch.no_grad()
 def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = None,
-                     root: int = 0, buffers_op: str = "broadcast") -> None:
+                     root: int = 0, buffers_op: str = "broadcast", check: bool = True) -> None:
     """Collective. Make every rank's parameters and buffers equal to ``root``'s (one broadcast per
-    dtype); with ``buffers_op="average"``, floating-point buffers are averaged instead."""
+    dtype); with ``buffers_op="average"``, floating-point buffers are averaged instead.
+
+    With ``check`` (the default), :func:`check_replicas` runs first, so modules built differently
+    on some rank raise ValueError everywhere instead of broadcasting mismatched buffers."""
     comm = sanitize_comm(comm)
+    if check:
+        check_replicas(module, comm)
     params = [p.data for p in module.parameters()]
     floats = [b for b in module.buffers() if b.is_floating_point()]
     others = [b for b in module.buffers() if not b.is_floating_point()]
@@ -100,6 +114,8 @@ def verify_replicas(model: torch.nn.Module, comm: MPICommunication | None = None
     """
     comm = sanitize_comm(comm if comm is not None else getattr(model, "comm", None))
     module = getattr(model, "module", model)
+    raise_together(None if isinstance(module, torch.nn.Module) else TypeError(
+        f"verify_replicas needs a torch.nn.Module, got {type(model).__name__}"), comm)
     named = list(module.named_parameters()) + (list(module.named_buffers()) if buffers else [])
     digests = comm.handle.allgather(_digest(t for _, t in named))
     if len(set(digests)) == 1:

@@ -25,7 +25,13 @@ from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.buckets import pack, unpack
 from ..engine.codecs import Codec
 from ..engine.gradsync import GradientSync
-from ..engine.replicas import _by_dtype, broadcast_module, check_replicas, verify_replicas
+from ..engine.replicas import (
+    _by_dtype,
+    broadcast_module,
+    check_replicas,
+    no_trainable_parameters,
+    verify_replicas,
+)
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
 
@@ -75,6 +81,8 @@ class DataParallel(torch.nn.Module):
         elif sync_buffers not in _BUFFER_MODES:
             error = ValueError(f"sync_buffers must be one of {_BUFFER_MODES}, "
                                f"got {sync_buffers!r}")
+        else:
+            error = no_trainable_parameters(module, "DataParallel")
         raise_together(error, comm)
         agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
                   "sync_buffers": sync_buffers, "find_unused_parameters": find_unused_parameters,
@@ -90,7 +98,7 @@ class DataParallel(torch.nn.Module):
         self.check_finite = check_finite
         self._join = None  # the heatlike.nn.Join context this model is in
         self._buffer_root = 0  # the rank whose buffers are broadcast (Join may change it)
-        broadcast_module(module, comm)
+        broadcast_module(module, comm, check=False)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.grad_sync = GradientSync(
             [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,
@@ -221,8 +229,9 @@ class DataParallelMultiGPU(torch.nn.Module):
         elif not isinstance(optimizer, DASO):
             error = TypeError(f"optimizer must be a heatlike.optim.DASO, got "
                               f"{type(optimizer).__name__}")
+        else:
+            error = no_trainable_parameters(module, "DataParallelMultiGPU")
         raise_together(error, comm)
-        check_replicas(module, comm)
         broadcast_module(module, comm)
         self.module = module
         self.optimizer = optimizer

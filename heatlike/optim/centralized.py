@@ -32,7 +32,7 @@ from ..engine.codecs import Codec
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
-from ..engine.replicas import broadcast_module
+from ..engine.replicas import broadcast_module, no_trainable_parameters
 
 __all__ = ["GenericCentralizedOptimizer", "CentralizedSGD", "CentralizedAdam",
            "CustomCentralizedOptimizer", "resolve_world_size"]
@@ -76,6 +76,8 @@ class GenericCentralizedOptimizer:
             error = e
         if error is None and not isinstance(model, torch.nn.Module):
             error = TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if error is None:
+            error = no_trainable_parameters(model, type(self).__name__)
         raise_together(error, comm)
         self.comm = comm
         self.world_size = world_size

@@ -28,6 +28,7 @@ from ..core.communication import MPICommunication, sanitize_comm
 from ..engine import codecs
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce
+from ..engine.replicas import broadcast_module
 from .centralized import GenericCentralizedOptimizer, _check_lr, resolve_world_size
 
 __all__ = ["PowerSGD", "CentralizedSparsifiedSGD", "SparsifiedSGD", "SignSGD"]
@@ -78,14 +79,7 @@ class _UpdateSync(torch.optim.Optimizer):
         self.comm = comm
         self.world_size = comm.size
         plist = [p for g in self.param_groups for p in g["params"]]
-        for tensors in _by_dtype(plist):
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            comm.Bcast(flat, root=0)  # equal replicas, rank 0's initialization kept
-            offset = 0
-            with torch.no_grad():
-                for t in tensors:
-                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                    offset += t.numel()
+        broadcast_module(torch.nn.ParameterList(plist), comm)  # rank 0's initialization kept
         self.sync = GradientSync(plist, comm, 1e-6, 1e-6, codec=codec,
                                  reducer=AllReduce(comm, op=op), hooks=False,
                                  grad_as_bucket_view=False)
@@ -117,13 +111,6 @@ class _UpdateSync(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if engine is not None:
             self.sync.load_state_dict(engine)
-
-
-def _by_dtype(tensors):
-    groups: dict = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return groups.values()
 
 
 class CentralizedSparsifiedSGD(_UpdateSync):

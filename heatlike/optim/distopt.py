@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..core.agreement import raise_together
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from ..core.topology import get_topology
 from ..engine import codecs
@@ -70,6 +70,7 @@ class DistOpt:
             error = TypeError(f"opt must be a torch.optim.Optimizer, got {type(opt).__name__}")
         error = error or _positive_int(buffSize, "buffSize")
         raise_together(error, comm)
+        agree_on({"buffSize": buffSize}, comm, "DistOpt")
         self.opt = opt
         self.comm = comm
         self.buffSize = buffSize

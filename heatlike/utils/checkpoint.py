@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.agreement import raise_together
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..core.log import get_logger
 
@@ -337,6 +337,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = e
     raise_together(error, comm, (CheckpointError,))
+    agree_on({"path": os.fspath(path)}, comm, "checkpoint.save")
 
     everyone = comm.handle.gather((sections, digests), root=0)
     if comm.rank == 0:
@@ -457,6 +458,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     except TypeError as e:
         error = e
     raise_together(error, comm, (CheckpointError,))
+    agree_on({"path": os.fspath(path)}, comm, "checkpoint.load")
     path = Path(path)
     error, index, segments = None, None, None
     if comm.rank == 0:
