@@ -1,6 +1,8 @@
 """Consistency checks, deadlines, replica verification, non-finite detection and agreement on
 settings, each raising the same error on every rank."""
 
+import logging
+import re
 import time
 
 import pytest
@@ -75,6 +77,31 @@ def test_deadline_names_the_ranks_that_have_not_arrived(comm, deadline):
             request.Wait()
     checks.set_timeout(None)
     request.Wait()  # the barrier completes once the late rank arrives
+
+
+def test_stall_warning_names_the_late_rank_and_keeps_waiting(comm, caplog):
+    if comm.size == 1:
+        pytest.skip("needs a rank to wait for")
+    last = comm.size - 1
+    checks.set_stall_warning(0.3)
+    try:
+        comm.Allreduce(hl.IN_PLACE, torch.ones(1))
+        if comm.rank == last:
+            time.sleep(1.0)
+        x = torch.ones(3)
+        logger = logging.getLogger("heatlike")
+        logger.addHandler(caplog.handler)  # heatlike's logger does not propagate to the root
+        comm.Allreduce(hl.IN_PLACE, x)  # completes: a warning is not an error
+    finally:
+        logger.removeHandler(caplog.handler)
+        checks.set_stall_warning(None)
+    assert torch.equal(x, torch.full((3,), float(comm.size)))
+    if comm.rank != last:
+        said = [r.getMessage() for r in caplog.records if "STALL" in r.getMessage()]
+        assert len(said) == 1, said
+        assert re.search(rf"Allreduce .* has waited .* s \(HEATLIKE_STALL_WARN\); ranks "
+                         rf"\[{last}\] have not arrived \(rank {last} is at #\d+ Allreduce\)",
+                         said[0]), said
 
 
 def test_verify_replicas(comm):

@@ -72,7 +72,7 @@ class Request:
         """Block until the operation has completed and its result is in place (raises
         TimeoutError past ``HEATLIKE_COMM_TIMEOUT``, see ``heatlike.core.checks``)."""
         while self._req is not None:
-            if _checks.timeout() is None:
+            if not _checks.watching():
                 self._req.Wait(status)
             else:
                 _checks.wait(self._req, lambda: self._label, self._board, self._seq)
@@ -108,7 +108,7 @@ def wait_all(requests: Iterable[Request | None]) -> None:
     Phases that are in flight at the same time are waited for together with ``MPI.Request.Waitall``.
     """
     pending = [r for r in requests if r is not None and r._req is not None]
-    if _checks.timeout() is not None:
+    if _checks.watching():
         for r in pending:
             r.Wait()
         return

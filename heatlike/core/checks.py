@@ -13,7 +13,12 @@
     dtype, element count where all ranks must agree) on a private communicator and raise
     ``ValueError`` on every rank if they differ, naming the ranks and both calls.
 
-Both must be set the same way on every rank. When off, the cost is one flag test per call.
+``HEATLIKE_STALL_WARN=<seconds>`` (or :func:`set_stall_warning`)
+    The stall inspector: a wait that takes longer than that logs one warning (on the waiting
+    rank) naming the operation and the ranks that have not arrived and where each is, and keeps
+    waiting. Useful on a job that is slow rather than stuck, or before choosing a timeout.
+
+All must be set the same way on every rank. When off, the cost is one flag test per call.
 """
 
 from __future__ import annotations
@@ -26,29 +31,35 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["set_timeout", "set_check", "timeout", "checking", "active", "Board"]
+from .log import get_logger
+
+__all__ = ["set_timeout", "set_check", "set_stall_warning", "timeout", "stall_warning",
+           "watching", "checking", "active", "Board"]
 
 
-def _env_timeout() -> float | None:
-    value = os.environ.get("HEATLIKE_COMM_TIMEOUT", "").strip()
+def _env_seconds(name: str) -> float | None:
+    value = os.environ.get(name, "").strip()
     if not value:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"HEATLIKE_COMM_TIMEOUT must be a number of seconds, "
-                         f"got {value!r}") from None
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
     return seconds if seconds > 0 else None
 
 
-_state = {"timeout": _env_timeout(),
+_state = {"timeout": _env_seconds("HEATLIKE_COMM_TIMEOUT"),
+          "stall": _env_seconds("HEATLIKE_STALL_WARN"),
           "check": os.environ.get("HEATLIKE_CHECK", "").strip() not in ("", "0", "false", "no")}
-active = _state["timeout"] is not None or _state["check"]  # read on every call
+active = False  # read on every call: whether any of the three is on
 
 
 def _update() -> None:
     global active
-    active = _state["timeout"] is not None or _state["check"]
+    active = _state["timeout"] is not None or _state["stall"] is not None or _state["check"]
+
+
+_update()
 
 
 def set_timeout(seconds: float | None) -> None:
@@ -63,8 +74,24 @@ def set_check(enabled: bool) -> None:
     _update()
 
 
+def set_stall_warning(seconds: float | None) -> None:
+    """Log a warning when a wait takes longer than ``seconds`` (None: never). Same on every
+    rank."""
+    _state["stall"] = float(seconds) if seconds else None
+    _update()
+
+
 def timeout() -> float | None:
     return _state["timeout"]
+
+
+def stall_warning() -> float | None:
+    return _state["stall"]
+
+
+def watching() -> bool:
+    """Whether waits must be polled (a deadline or a stall warning is set)."""
+    return _state["timeout"] is not None or _state["stall"] is not None
 
 
 def checking() -> bool:
@@ -186,25 +213,37 @@ def wait(request, what, board: Board | None = None, seq: int = 0, watch=None,
 
     ``watch`` (optional) is called every ``every`` seconds while waiting and may raise to end
     the wait (e.g. when a rank the request needs has ended)."""
-    limit = _state["timeout"]
-    if limit is None and watch is None:
+    limit, stall = _state["timeout"], _state["stall"]
+    if limit is None and stall is None and watch is None:
         request.Wait()
         return
     start = time.monotonic()
     deadline = start + limit if limit is not None else None
+    warn_at = start + stall if stall is not None else None
     next_watch = start + every
     while not request.Test():
         now = time.monotonic()
         if deadline is not None and now > deadline:
-            board, seq, inner = _innermost(request, board, seq)
-            who = f"; {board.stragglers(seq)}" if board is not None else ""
-            raise TimeoutError(f"{what()}{inner} did not complete within {limit:g} s "
-                               f"(HEATLIKE_COMM_TIMEOUT){who}")
+            raise TimeoutError(_stalled(request, what, board, seq,
+                                        f"did not complete within {limit:g} s "
+                                        "(HEATLIKE_COMM_TIMEOUT)"))
+        if warn_at is not None and now > warn_at:
+            warn_at = None
+            get_logger().warning("%s", _stalled(request, what, board, seq,
+                                                f"has waited {now - start:.3g} s "
+                                                "(HEATLIKE_STALL_WARN)"))
         if watch is not None and now > next_watch:
             watch()
             next_watch = now + every
         if now - start > 0.05:  # a long wait: stop competing for the core
             time.sleep(1e-4 if now - start < 1 else 1e-3)
+
+
+def _stalled(request, what, board, seq, how: str) -> str:
+    """"<operation> <how>; ranks [..] have not arrived (rank r is at ...)"."""
+    board, seq, inner = _innermost(request, board, seq)
+    who = f"; {board.stragglers(seq)}" if board is not None else ""
+    return f"{what()}{inner} {how}{who}"
 
 
 def _innermost(request, board, seq) -> tuple:
