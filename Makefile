@@ -5,6 +5,7 @@
 #   make test    lint, then the test suite under mpiexec at 1, 2, 3 and 4 ranks and on an
 #                emulated two-node topology (4 ranks, 2 per node)
 #   make bench   the communication benchmark on $(NP) ranks
+#   make docs    the documentation site (MkDocs, strict) into site/
 #
 # MPI=auto (default) uses the system MPI when `mpiexec` is on PATH and the MPICH wheel from the
 # package registry otherwise; MPI=wheel or MPI=system forces one. On a cluster, load the MPI
@@ -20,11 +21,11 @@ ifeq ($(MPI),auto)
   MPI := $(if $(shell command -v mpiexec 2>/dev/null),system,wheel)
 endif
 comma  := ,
-EXTRAS := test,examples$(if $(filter wheel,$(MPI)),$(comma)mpich)
+EXTRAS := test,examples,docs$(if $(filter wheel,$(MPI)),$(comma)mpich)
 # Resolved when a recipe runs, i.e. after setup: the wheel's mpiexec if installed, else PATH's.
 MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -45,5 +46,8 @@ test: lint
 bench: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench comm
 
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .test-logs bench-results *.egg-info
+	rm -rf $(VENV) .test-logs bench-results site *.egg-info
