@@ -48,3 +48,30 @@ def test_exception_on_one_rank_aborts_job(tmp_path, how):
     assert elapsed < 30, f"abort took {elapsed:.1f} s"
     assert "uncaught exception on rank 1 of 3" in out, out
     assert "RuntimeError: boom on purpose" in out and "Traceback" in out, out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
+def test_threads_share_the_cores_a_rank_may_run_on(monkeypatch, bound):
+    """Unbound ranks (each allowed on all of the node's 4 * local_size cores) split them; ranks
+    bound to 4 cores of their own keep all 4. Either way each rank gets 4 threads; the old rule
+    gave bound ranks 4 // local_size."""
+    import os
+
+    import torch
+    from mpi4py import MPI
+
+    from heatlike.utils import configure_threads
+
+    comm = MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    cores = set(range(4 * local, 4 * local + 4)) if bound else set(range(4 * local_size))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: cores, raising=False)
+    before = torch.get_num_threads()
+    try:
+        threads = configure_threads(comm)
+    finally:
+        torch.set_num_threads(before)
+    assert threads == 4  # 4 * local_size cores shared by local_size ranks, or 4 of its own

@@ -2,6 +2,7 @@
 codecs (what goes on the wire), reducers (how ranks combine it), and the gradient synchronizer that
 runs them during the backward pass."""
 
+from .autotune import Choice, LinkFit, autotune, choose_bucket_bytes, measure_allreduce  # noqa: F401
 from .buckets import Bucket, comm_buffer, pack, plan_buckets, unpack  # noqa: F401
 from .codecs import (  # noqa: F401
     Cast,

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
+from ..engine.autotune import autotune
 from ..engine.buckets import pack, unpack
 from ..engine.codecs import Codec
 from ..engine.gradsync import GradientSync
@@ -51,11 +52,15 @@ class DataParallel(torch.nn.Module):
     optimizer: a :class:`heatlike.optim.DataParallelOptimizer` over exactly the module's trainable
         parameters; its ``blocking`` flag selects the mode. Without one, the averaged gradients are
         in ``.grad`` at the end of every ``backward()`` for any optimizer to use.
-    bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB).
+    bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB);
+        ``bucket_cap_mb="auto"`` measures the communicator at construction and picks both
+        (:func:`heatlike.engine.autotune`; the choice and the reason are logged on rank 0 and kept
+        in ``self.autotuned``).
     sync_buffers: before each training forward, ``"broadcast"`` rank 0's buffers (BatchNorm
         statistics, DDP's behaviour), ``"average"`` them, or ``None`` to leave them local.
     codec: what goes on the wire (default: float32 as is; ``heatlike.engine.Cast(torch.bfloat16)``
-        halves the bytes, averaged with float32 accumulation).
+        halves the bytes, averaged with float32 accumulation; ``"auto"`` lets the autotuner
+        choose bfloat16 where it measures it faster).
     find_unused_parameters: after each training forward, walk the autograd graph from the output
         and launch the buckets of parameters the loss cannot reach at once (DDP's option of the
         same name). Correctness never needs it (unused parameters are handled at the end of
@@ -67,8 +72,8 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, comm: MPICommunication = MPI_WORLD,
                  optimizer: DataParallelOptimizer | None = None, *,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 sync_buffers: str | None = "broadcast", codec: Codec | None = None,
+                 bucket_cap_mb: float | str = 25.0, first_bucket_mb: float = 1.0,
+                 sync_buffers: str | None = "broadcast", codec: Codec | str | None = None,
                  find_unused_parameters: bool = False, check_finite: bool = False) -> None:
         super().__init__()
         comm = sanitize_comm(comm)
@@ -86,7 +91,8 @@ class DataParallel(torch.nn.Module):
         raise_together(error, comm)
         agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
                   "sync_buffers": sync_buffers, "find_unused_parameters": find_unused_parameters,
-                  "check_finite": check_finite}, comm, "DataParallel")
+                  "check_finite": check_finite, "bucket_cap_mb": bucket_cap_mb,
+                  "first_bucket_mb": first_bucket_mb, "codec": codec}, comm, "DataParallel")
         check_replicas(module, comm)
         if optimizer is not None:
             raise_together(_ownership_error(module, optimizer), comm)
@@ -99,6 +105,14 @@ class DataParallel(torch.nn.Module):
         self._join = None  # the heatlike.nn.Join context this model is in
         self._buffer_root = 0  # the rank whose buffers are broadcast (Join may change it)
         broadcast_module(module, comm, check=False)
+        self.autotuned = None
+        if bucket_cap_mb == "auto" or codec == "auto":
+            self.autotuned = autotune(module, comm, allow_lossy=codec == "auto")
+            if bucket_cap_mb == "auto":
+                bucket_cap_mb = self.autotuned.bucket_cap_mb
+                first_bucket_mb = self.autotuned.first_bucket_mb
+            if codec == "auto":
+                codec = self.autotuned.codec
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.grad_sync = GradientSync(
             [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,

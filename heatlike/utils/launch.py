@@ -77,17 +77,24 @@ def run_script(path: str, argv: list[str]) -> None:
 
 
 def configure_threads(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
-    """Give each rank its share of this node's cores for torch's intra-op threads:
-    ``max(1, cpus // ranks on this node)`` (collective over ``comm``). Several ranks per node each
-    using every core oversubscribe the machine and slow everything down. Returns the count."""
+    """Give each rank its share of its cores for torch's intra-op threads (collective over
+    ``comm``): ``max(1, cpus // k)``, where ``cpus`` is the number of cores this rank may run on
+    and ``k`` the number of ranks on this node whose cores overlap them (itself included). Ranks
+    left unbound by the launcher share the node's cores; ranks bound to their own cores (``srun
+    --cpus-per-task``, ``mpiexec --bind-to``) keep them. Several ranks each using every core
+    oversubscribe the machine and slow everything down. Returns the count."""
     import torch
 
+    if hasattr(os, "sched_getaffinity"):
+        mine = frozenset(os.sched_getaffinity(0))
+    else:
+        mine = frozenset(range(os.cpu_count() or 1))
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        local = node.Get_size()
+        everyone = node.allgather(mine)
     finally:
         node.Free()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cpus or 1) // local)
+    sharing = sum(1 for other in everyone if other & mine)
+    threads = max(1, len(mine) // max(sharing, 1))
     torch.set_num_threads(threads)
     return threads
