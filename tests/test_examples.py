@@ -24,13 +24,6 @@ def test_communication_tour_runs_on_emulated_nodes():
     assert "2 node(s) of sizes [2, 1]; cross-node groups: [[0, 2], [1]]" in out, out
 
 
-@pytest.mark.parametrize("script", sorted((ROOT / "scripts" / "slurm").glob("*.sbatch")),
-                         ids=lambda p: p.name)
-def test_batch_scripts_parse(script):
-    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-
-
 @pytest.mark.parametrize("mode", ["--non-blocking", "--blocking"])
 def test_digits_example_learns(mode):
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "heatlike",
