@@ -4,7 +4,7 @@
 #   make demo    train the digits example with DataParallel under mpiexec on $(NP) ranks
 #   make test    lint, then the test suite under mpiexec at 1, 2, 3 and 4 ranks and on an
 #                emulated two-node topology (4 ranks, 2 per node)
-#   make bench   the communication benchmark on $(NP) ranks
+#   make bench   the quick benchmark suite on $(NP) ranks: bench-results/ (JSON, figures, trace)
 #   make docs    the documentation site (MkDocs, strict) into site/
 #
 # MPI=auto (default) uses the system MPI when `mpiexec` is on PATH and the MPICH wheel from the
@@ -44,7 +44,8 @@ test: lint
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3,4 --fake-nodes 2
 
 bench: setup
-	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench comm
+	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench all --quick --json bench-results/results.json \
+		--plot bench-results --trace bench-results/trace.json
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict

@@ -1,9 +1,11 @@
 """``python -m heatlike.bench algorithms``: every distributed algorithm, side by side.
 
-For each algorithm of :data:`heatlike.bench.workloads.ALGORITHMS`:
+For each algorithm of :data:`heatlike.bench.workloads.ALGORITHMS` (with ``--quick``: one per
+communication pattern, :data:`QUICK`; ``--algorithms a,b`` chooses):
 
-* on the digits MLP (64-128-64-10, 17K parameters): the test accuracy after training, the
-  median step time and the payload bytes sent per rank per step;
+* on the digits MLP (64-128-64-10, 17K parameters): the test accuracy and the training wall time
+  after every epoch (the accuracy-against-time curve, also used by the ``tta`` suite), the final
+  accuracy, the median step time and the payload bytes sent per rank per step;
 * on a larger synthetic MLP (784-1024-1024-10, 1.9M parameters): the bytes per rank per step and
   their ratio to the plain float32 all-reduce, and the median step time.
 
@@ -22,21 +24,42 @@ from mpi4py import MPI
 
 from ..core.communication import MPI_WORLD
 from ..utils.launch import configure_threads
-from ._common import Results, describe_environment
-from .workloads import ALGORITHMS, load_digits_split, make_runner, mlp, train_digits
+from ._common import Results, describe_environment, progress, say
+from .workloads import ALGORITHMS, digits_task, load_digits_split, make_runner, mlp, train_task
 
 LARGE = [784, 1024, 1024, 10]
+LARGE_BATCH = 32
+
+#: with --quick: one algorithm per communication pattern of the cost model
+QUICK = ("allreduce", "bf16", "powersgd-2", "topk-1%", "decentralized", "daso")
 
 
-def _large_step_stats(name: str, steps: int) -> tuple[float, float]:
-    """(median step seconds, bytes per step) on the larger synthetic MLP."""
+def choose_algorithms(names: str | None, quick: bool) -> list[str]:
+    """The algorithms to run: ``names`` (comma-separated, or "all"), else all of them, or
+    :data:`QUICK` with ``quick``."""
+    if names:
+        chosen = list(ALGORITHMS) if names == "all" else [n.strip() for n in names.split(",")
+                                                           if n.strip()]
+        unknown = [n for n in chosen if n not in ALGORITHMS]
+        if unknown:
+            raise ValueError(f"unknown algorithms {unknown}; choose from {list(ALGORITHMS)}")
+        return chosen
+    return list(QUICK) if quick else list(ALGORITHMS)
+
+
+def large_step_stats(name: str, steps: int) -> tuple[float, float]:
+    """(median step seconds, slowest rank; bytes per step) on the larger synthetic MLP."""
     comm = MPI_WORLD
     net = mlp(LARGE, seed=0)
     runner = make_runner(name, net, comm, lr=0.01)
     g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(32, LARGE[0], generator=g)
-    y = torch.randint(0, LARGE[-1], (32,), generator=g)
-    runner.train_step(x, y)  # warm-up (allocations, bucket plans)
+    x = torch.randn(LARGE_BATCH, LARGE[0], generator=g)
+    y = torch.randint(0, LARGE[-1], (LARGE_BATCH,), generator=g)
+    # warm-up (allocations, bucket plans) as an epoch of one batch, so that schedules with a
+    # warm-up epoch (DASO) time their steady state
+    runner.start_epoch(1)
+    runner.end_epoch(runner.train_step(x, y))
+    runner.start_epoch(2 * max(steps, 4))  # no end-of-epoch synchronization while timed
     before = runner.bytes_sent()
     times = []
     for _ in range(steps):
@@ -48,33 +71,43 @@ def _large_step_stats(name: str, steps: int) -> tuple[float, float]:
     return step, (runner.bytes_sent() - before) / steps
 
 
-def run(results: Results, quick: bool = False) -> None:
+def record_curve(results: Results, suite: str, task: str, name: str, curve) -> None:
+    """One record per epoch for the test accuracy and the training time so far."""
+    for point in curve:
+        results.add(suite, name, f"{task} epoch accuracy", point.accuracy, "fraction",
+                    task=task, epoch=point.epoch)
+        results.add(suite, name, f"{task} epoch time", point.seconds, "s", task=task,
+                    epoch=point.epoch)
+
+
+def run(results: Results, quick: bool = False, algorithms: str | None = None) -> None:
     comm = MPI.COMM_WORLD
-    rank0 = comm.Get_rank() == 0
     configure_threads(comm)
-    data = load_digits_split(0)
-    epochs, steps = (4, 2) if quick else (10, 5)
-    if rank0:
-        print(f"# algorithms: digits MLP {epochs} epochs, batch 16 per rank; synthetic MLP "
-              f"{'-'.join(map(str, LARGE))}, batch 32; {describe_environment(comm)}")
-        print(f"{'algorithm':>22} {'digits acc':>10} {'digits ms':>9} {'digits B':>9} "
-              f"{'large MB':>9} {'ratio':>7} {'large ms':>9}")
+    names = choose_algorithms(algorithms, quick)
+    task = digits_task(data=load_digits_split(0))
+    epochs, steps = (3, 2) if quick else (10, 5)
+    say(f"# algorithms: digits MLP {epochs} epochs, batch {task.batch_size} per rank; synthetic "
+        f"MLP {'-'.join(map(str, LARGE))}, batch {LARGE_BATCH}; {describe_environment(comm)}")
+    say(f"{'algorithm':>22} {'digits acc':>10} {'digits ms':>9} {'digits B':>9} "
+        f"{'large MB':>9} {'ratio':>7} {'large ms':>9}")
     baseline = None
-    for name in ALGORITHMS:
-        digits = train_digits(name, MPI_WORLD, epochs=epochs, data=data)
+    for name in progress(names, "algorithms"):
+        digits = train_task(name, MPI_WORLD, task, epochs, curve=True)
+        results.curves[("digits", name)] = {"result": digits, "epochs": epochs,
+                                            "suite": "algorithms"}
+        record_curve(results, "algorithms", "digits", name, digits.curve)
         digits_step = comm.allreduce(statistics.median(digits.step_times), op=MPI.MAX)
-        large_step, large_bytes = _large_step_stats(name, steps)
+        large_step, large_bytes = large_step_stats(name, steps)
         if baseline is None:
             baseline = large_bytes
-        ratio = large_bytes / baseline
+        ratio = large_bytes / baseline if baseline else float("nan")
         for metric, value, unit in (("digits accuracy", digits.accuracy, "fraction"),
                                     ("digits step time", digits_step * 1e3, "ms"),
                                     ("digits bytes per step", digits.bytes_per_step, "bytes"),
                                     ("large bytes per step", large_bytes, "bytes"),
-                                    ("large bytes ratio to allreduce", ratio, "ratio"),
+                                    ("large bytes ratio to " + names[0], ratio, "ratio"),
                                     ("large step time", large_step * 1e3, "ms")):
             results.add("algorithms", name, metric, value, unit)
-        if rank0:
-            print(f"{name:>22} {digits.accuracy:10.4f} {digits_step * 1e3:9.2f} "
-                  f"{digits.bytes_per_step:9.0f} {large_bytes / 1e6:9.3f} {ratio:7.3f} "
-                  f"{large_step * 1e3:9.2f}", flush=True)
+        say(f"{name:>22} {digits.accuracy:10.4f} {digits_step * 1e3:9.2f} "
+            f"{digits.bytes_per_step:9.0f} {large_bytes / 1e6:9.3f} {ratio:7.3f} "
+            f"{large_step * 1e3:9.2f}")

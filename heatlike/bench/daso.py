@@ -6,8 +6,9 @@ DataParallel, same data order and initial weights, and prints per epoch the byte
 over cross-node links (mean over ranks) and the wall time, then the final test accuracies.
 Bytes over cross-node links: DASO's cross-node all-reduces; every byte of the data-parallel
 all-reduce, which spans the nodes. Run at 4 ranks: without a multi-node launch the suite emulates
-two nodes (HEATLIKE_RANKS_PER_NODE). Target: DASO sends <= 25% of DataParallel's cross-node bytes
-over >= 10 epochs with accuracy within 1 point.
+two nodes (HEATLIKE_RANKS_PER_NODE, set only while the suite runs). 12 epochs (3 with
+``--quick``, a smoke run: warmup, one cycling epoch, cooldown). Target: DASO sends <= 25% of
+DataParallel's cross-node bytes over >= 10 epochs with accuracy within 1 point.
 
 ``--slow-link LATENCY_US:BANDWIDTH_MBPS`` adds a simulated slower link (heatlike.engine.links) to
 the cross-node traffic of both (DataParallel's all-reduces count as cross-node), to show the
@@ -29,7 +30,7 @@ from ..nn import DataParallel, DataParallelMultiGPU
 from ..optim import DASO, DataParallelOptimizer
 from ..utils.data import DataLoader, Dataset
 from ..utils.launch import configure_threads
-from ._common import Results, describe_environment
+from ._common import Results, describe_environment, say
 from .workloads import evaluate, load_digits_split, mlp
 
 
@@ -90,35 +91,47 @@ def _run(kind: str, epochs: int, link: SimulatedLink | None, data) -> tuple:
 
 
 def run(results: Results, quick: bool = False, slow_link: str | None = None) -> None:
+    """Run the suite; nodes are emulated only while it runs (the environment is restored)."""
+    emulate = "HEATLIKE_RANKS_PER_NODE" not in os.environ and \
+        "HEATLIKE_NODE_IDS" not in os.environ
+    if emulate:
+        os.environ["HEATLIKE_RANKS_PER_NODE"] = str(max(1, -(-MPI.COMM_WORLD.Get_size() // 2)))
+    try:
+        _suite(results, quick, slow_link)
+    finally:
+        if emulate:
+            del os.environ["HEATLIKE_RANKS_PER_NODE"]
+
+
+def _suite(results: Results, quick: bool, slow_link: str | None) -> None:
     comm = MPI.COMM_WORLD
-    rank0 = comm.Get_rank() == 0
-    if "HEATLIKE_RANKS_PER_NODE" not in os.environ and "HEATLIKE_NODE_IDS" not in os.environ:
-        os.environ["HEATLIKE_RANKS_PER_NODE"] = str(max(1, -(-comm.Get_size() // 2)))
     configure_threads(comm)
     link = parse_link(slow_link)
-    epochs = 10 if quick else 12
+    epochs = 3 if quick else 12
     data = load_digits_split(0)
     daso = _run("daso", epochs, link, data)
     dp = _run("dp", epochs, link, data)
-    if rank0:
-        print(f"# daso: digits MLP 64-512-512-10, {epochs} epochs, batch 16 per rank, "
-              f"{describe_environment(comm)}")
-        print(f"# simulated cross-node link: {link}" if link else
-              "# simulated cross-node link: off (cross-node traffic at shared-memory speed)")
-        print(f"{'epoch':>5} {'DASO KB':>9} {'DP KB':>9} {'DASO s':>8} {'DP s':>8}")
-        for e in range(epochs):
-            print(f"{e + 1:5d} {daso[0][e] / 1e3:9.1f} {dp[0][e] / 1e3:9.1f} "
-                  f"{daso[1][e]:8.3f} {dp[1][e]:8.3f}")
+    case = "digits" + (" slow link" if link else "")
+    say(f"# daso: digits MLP 64-512-512-10, {epochs} epochs, batch 16 per rank, "
+        f"{describe_environment(comm)}")
+    say(f"# simulated cross-node link: {link}" if link else
+        "# simulated cross-node link: off (cross-node traffic at shared-memory speed)")
+    say(f"{'epoch':>5} {'DASO KB':>9} {'DP KB':>9} {'DASO s':>8} {'DP s':>8}")
+    for e in range(epochs):
+        say(f"{e + 1:5d} {daso[0][e] / 1e3:9.1f} {dp[0][e] / 1e3:9.1f} "
+            f"{daso[1][e]:8.3f} {dp[1][e]:8.3f}")
+        for k, v in (("daso", daso), ("dp", dp)):
+            results.add("daso", case, f"{k} epoch cross-node bytes per rank", v[0][e], "bytes",
+                        epoch=e + 1)
+            results.add("daso", case, f"{k} epoch time", v[1][e], "s", epoch=e + 1)
     total = {k: (sum(v[0]), sum(v[1]), v[2]) for k, v in (("daso", daso), ("dp", dp))}
     ratio = total["daso"][0] / total["dp"][0]
-    case = "digits" + (" slow link" if link else "")
     for k in ("daso", "dp"):
         results.add("daso", case, f"{k} cross-node bytes per rank", total[k][0], "bytes")
         results.add("daso", case, f"{k} wall time", total[k][1], "s")
         results.add("daso", case, f"{k} accuracy", total[k][2], "fraction")
     results.add("daso", case, "daso/dp cross-node bytes", ratio, "ratio")
-    if rank0:
-        print(f"total: DASO {total['daso'][0] / 1e6:.2f} MB, DP {total['dp'][0] / 1e6:.2f} MB "
-              f"per rank (ratio {ratio:.3f}); wall DASO {total['daso'][1]:.2f} s, DP "
-              f"{total['dp'][1]:.2f} s; test accuracy DASO {total['daso'][2]:.4f}, DP "
-              f"{total['dp'][2]:.4f}", flush=True)
+    say(f"total: DASO {total['daso'][0] / 1e6:.2f} MB, DP {total['dp'][0] / 1e6:.2f} MB "
+        f"per rank (ratio {ratio:.3f}); wall DASO {total['daso'][1]:.2f} s, DP "
+        f"{total['dp'][1]:.2f} s; test accuracy DASO {total['daso'][2]:.4f}, DP "
+        f"{total['dp'][2]:.4f}")

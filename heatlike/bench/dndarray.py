@@ -1,8 +1,8 @@
 """``python -m heatlike.bench dndarray``: DNDarray operations at the running world size against
 numpy on one process with the same data.
 
-Cases, on float32 arrays of ``4096 x 4096`` (64 MiB; ``--quick`` runs fewer rounds of the same
-sizes) split along axis 0:
+Cases, on float32 arrays of ``4096 x 4096`` (64 MiB; ``--quick`` runs fewer rounds on
+``2048 x 2048``) split along axis 0:
 
 * ``sum(axis=0)``: local column sums and one ``Allreduce`` of 4096 values;
 * ``a + b``: elementwise, both operands with the same layout, local;
@@ -33,6 +33,7 @@ from ..core.communication import MPI_SELF, MPI_WORLD
 from ._common import Results, describe_environment, timed_rounds
 
 ROWS = COLS = 4096
+QUICK_ROWS = 2048
 INNER = 256
 _TAG = 5731
 
@@ -64,14 +65,15 @@ def run(results: Results, quick: bool = False) -> None:
     comm = MPI_WORLD
     rank0 = comm.rank == 0
     rounds = 3 if quick else 7
+    rows = cols = QUICK_ROWS if quick else ROWS
     hrandom.seed(2024)
-    a = hrandom.rand(ROWS, COLS, split=0)
-    b = hrandom.rand(ROWS, COLS, split=0)
-    w = hrandom.rand(COLS, INNER)
+    a = hrandom.rand(rows, cols, split=0)
+    b = hrandom.rand(rows, cols, split=0)
+    w = hrandom.rand(cols, INNER)
     mib = a.nbytes / 2 ** 20
     if rank0:
         thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
-        print(f"# dndarray: float32 {ROWS} x {COLS} ({mib:.0f} MiB) split=0, "
+        print(f"# dndarray: float32 {rows} x {cols} ({mib:.0f} MiB) split=0, "
               f"{describe_environment(comm.handle)}, torch threads {torch.get_num_threads()}, "
               f"torch huge pages {'on' if thp else 'off (THP_MEM_ALLOC_ENABLE=1 turns them on)'}")
         print(f"{'case':<18} {'heatlike ms':>11} {'numpy ms':>9} {'numpy/heatlike':>14}  note",
@@ -86,9 +88,9 @@ def run(results: Results, quick: bool = False) -> None:
     references = {}
     if rank0:
         hrandom.seed(2024)
-        na = hrandom.rand(ROWS, COLS, comm=MPI_SELF).numpy()
-        nb = hrandom.rand(ROWS, COLS, comm=MPI_SELF).numpy()
-        nw = hrandom.rand(COLS, INNER, comm=MPI_SELF).numpy()
+        na = hrandom.rand(rows, cols, comm=MPI_SELF).numpy()
+        nb = hrandom.rand(rows, cols, comm=MPI_SELF).numpy()
+        nw = hrandom.rand(cols, INNER, comm=MPI_SELF).numpy()
         references = {
             "sum(axis=0)": lambda: na.sum(axis=0),
             "a + b": lambda: na + nb,

@@ -25,17 +25,10 @@ from ..nn import DataParallel
 from ..optim import DataParallelOptimizer
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment
+from .workloads import mlp
 
 MODELS = {"mlp-5M": [1024, 2048, 1024, 512, 10], "mlp-100K": [256, 256, 128, 10]}
 BATCH = 32
-
-
-def mlp(widths: list[int], seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
 
 
 def init_gloo(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
@@ -86,7 +79,7 @@ def run(results: Results, quick: bool = False) -> None:
     threads = configure_threads(comm)
     init_gloo(comm)
     variants = ["heatlike-blocking", "heatlike-nonblocking", "ddp"]
-    rounds, steps = (2, 5) if quick else (4, 10)
+    rounds, steps, warmup = (1, 3, 1) if quick else (4, 10, 3)
     if rank0:
         print(f"# dp: MLP training steps, batch {BATCH} per rank, {threads} torch thread(s) per "
               f"rank, {describe_environment(comm)}")
@@ -101,7 +94,7 @@ def run(results: Results, quick: bool = False) -> None:
         samples: dict[str, list[float]] = {v: [] for v in variants}
         for v in variants:  # warm-up (first steps allocate, rebuild buckets)
             model, opt, finish = trainers[v]
-            _step_times(model, opt, x, y, 3)
+            _step_times(model, opt, x, y, warmup)
             finish()
         for _ in range(rounds):
             for v in variants:

@@ -2,15 +2,20 @@
 
 * :func:`load_digits_split`, :func:`mlp`, :func:`evaluate`: scikit-learn's bundled digits data
   (standardized, stratified 80/20 split), an MLP, sharded test accuracy.
+* :func:`load_synthetic_split`: a larger synthetic classification task (scikit-learn's
+  ``make_classification``, fixed seed), standardized and split the same way.
 * :data:`ALGORITHMS`: every distributed algorithm of heatlike behind one small interface
   (:class:`Runner`), so the same loop can train, time and count bytes for each.
+* :func:`train_task`: train one algorithm on a :class:`Task`, with the test accuracy and the
+  training wall time after every epoch (:class:`EpochPoint`), optionally until a target accuracy.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from mpi4py import MPI
@@ -19,16 +24,37 @@ from torch import nn
 from ..core.communication import IN_PLACE, MPICommunication
 from ..engine import Cast, Hierarchical, RandomK, ScaledSign, TopK
 
-__all__ = ["load_digits_split", "mlp", "evaluate", "Runner", "ALGORITHMS", "make_runner"]
+__all__ = ["load_digits_split", "load_synthetic_split", "mlp", "evaluate", "Runner", "ALGORITHMS",
+           "make_runner", "Task", "digits_task", "synthetic_task", "EpochPoint", "TrainResult",
+           "train_task", "train_digits"]
 
 
 def load_digits_split(seed: int = 0):
     """``(x_train, y_train, x_test, y_test)`` of the digits, standardized with the training
     statistics; identical on every rank."""
     from sklearn.datasets import load_digits
+
+    return _standardized_split(*load_digits(return_X_y=True), seed)
+
+
+def load_synthetic_split(seed: int = 0, samples: int = 3000, features: int = 128,
+                         classes: int = 10):
+    """``(x_train, y_train, x_test, y_test)`` of a synthetic classification task: scikit-learn's
+    ``make_classification`` (``features // 2`` informative features, one Gaussian cluster per
+    class, class separation 2, ``random_state=seed``), standardized with the training statistics,
+    stratified 80/20 split; identical on every rank."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=samples, n_features=features,
+                               n_informative=features // 2, n_redundant=0, n_classes=classes,
+                               n_clusters_per_class=1, class_sep=2.0, random_state=seed)
+    return _standardized_split(x, y, seed)
+
+
+def _standardized_split(x, y, seed: int):
+    """Stratified 80/20 split, standardized with the training statistics, as torch tensors."""
     from sklearn.model_selection import train_test_split
 
-    x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=seed,
                                                         stratify=y)
     mean, std = x_train.mean(0), x_train.std(0) + 1e-6
@@ -65,10 +91,19 @@ class Runner:
     """One algorithm training one model: ``train_step(x, y)``, ``eval_model()``,
     ``bytes_sent()`` (payload bytes this rank handed to collectives so far), ``start_epoch(n)``
     and ``end_epoch(loss)`` around every epoch of n batches. ``model`` (bare or wrapped) and
-    ``optimizer`` are what a checkpoint saves."""
+    ``optimizer`` are what a checkpoint saves.
+
+    ``train_step(x, y, tracker)`` reports the step to a :class:`heatlike.utils.Tracker`: the
+    phases (init, fwd_pass, comp_loss, backprop, and agg / opt_step from optimizers that take a
+    tracker), every wait of the engine's gradient synchronization as a "comm wait" span, and the
+    bytes sent per communicator (``bytes_by_label``; by default the reducer's class name) when the
+    optimizer did not report them itself. The step is one tracker step (``batch_start`` ..
+    ``batch_end``) unless the caller already opened one."""
 
     def __init__(self, model: nn.Module, step: Callable, sync, eval_model=None, optimizer=None,
-                 start_epoch: Callable | None = None, end_epoch: Callable | None = None) -> None:
+                 start_epoch: Callable | None = None, end_epoch: Callable | None = None,
+                 grad_syncs: Callable[[], list] | None = None,
+                 bytes_by_label: Callable[[], dict] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self._step = step
@@ -76,9 +111,37 @@ class Runner:
         self._eval = eval_model
         self._start_epoch = start_epoch
         self._end_epoch = end_epoch
+        self._grad_syncs = grad_syncs if grad_syncs is not None else (
+            lambda: [sync] if hasattr(sync, "tracker") else [])
+        self._bytes_by_label = bytes_by_label if bytes_by_label is not None else (
+            lambda: {type(getattr(sync, "reducer", sync)).__name__: self.bytes_sent()})
+        self._reports = "tracker" in inspect.signature(step).parameters
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        return self._step(x, y)
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, tracker=None) -> float:
+        if tracker is None:
+            return self._step(x, y)
+        opened = not tracker.in_batch
+        if opened:
+            tracker.batch_start()
+        syncs = self._grad_syncs()
+        for sync in syncs:
+            sync.tracker = tracker
+        before = self._bytes_by_label()
+        try:
+            if self._reports:
+                loss = self._step(x, y, tracker)
+            else:  # a step function that knows no tracker: one phase
+                loss = self._step(x, y)
+                tracker.record("step")
+        finally:
+            for sync in syncs:
+                sync.tracker = None
+        if not tracker.step_bytes:
+            for label, sent in self._bytes_by_label().items():
+                tracker.add_bytes(sent - before.get(label, 0), label)
+        if opened:
+            tracker.batch_end()
+        return loss
 
     def start_epoch(self, batches: int) -> None:
         if self._start_epoch is not None:
@@ -101,14 +164,29 @@ class Runner:
         return self._sync.bytes_sent
 
 
+def _mark(tracker, phase: str) -> None:
+    if tracker is not None:
+        tracker.record(phase)
+
+
 def _plain(opt, model, sync, **kw) -> Runner:
     loss_fn = nn.CrossEntropyLoss()
+    reports = "tracker" in inspect.signature(opt.step).parameters
 
-    def step(x, y):
+    def step(x, y, tracker=None):
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        _mark(tracker, "init")
+        out = model(x)
+        _mark(tracker, "fwd_pass")
+        loss = loss_fn(out, y)
+        _mark(tracker, "comp_loss")
         loss.backward()
-        opt.step()
+        _mark(tracker, "backprop")
+        if reports and tracker is not None:
+            opt.step(tracker=tracker)
+        else:
+            opt.step()
+            _mark(tracker, "opt_step")
         return loss.item()
 
     return Runner(model, step, sync, optimizer=opt, **kw)
@@ -205,11 +283,16 @@ def _fp16(net, comm, lr):
     opt.set_optimizer(torch.optim.SGD([opt.fp32_params], lr=lr, momentum=0.9))
     loss_fn = nn.CrossEntropyLoss()
 
-    def step(x, y):
+    def step(x, y, tracker=None):
         opt.zero_grad()
-        loss = loss_fn(model(x.half()).float(), y)
+        _mark(tracker, "init")
+        out = model(x.half()).float()
+        _mark(tracker, "fwd_pass")
+        loss = loss_fn(out, y)
+        _mark(tracker, "comp_loss")
         opt.backward_loss(loss)
-        opt.step()
+        _mark(tracker, "backprop")
+        opt.step(tracker=tracker)
         return loss.item()
 
     return Runner(model, step, opt.sync, optimizer=opt)
@@ -224,14 +307,19 @@ def _distopt(mode: str, **options):
         backward = getattr(dist, f"backward_and_{mode}")
         loss_fn = nn.CrossEntropyLoss()
 
-        def step(x, y):
-            loss = loss_fn(net(x), y)
-            backward(loss, **options)
+        def step(x, y, tracker=None):
+            out = net(x)
+            _mark(tracker, "fwd_pass")
+            loss = loss_fn(out, y)
+            _mark(tracker, "comp_loss")
+            backward(loss, **options)  # backward, communication and the update in one call
+            _mark(tracker, "backprop")
             return loss.item()
 
         syncs = _DistOptBytes(dist)
         evaluate_model = _averaged(net, comm) if mode == "partial_update" else None
-        return Runner(net, step, syncs, eval_model=evaluate_model, optimizer=dist)
+        return Runner(net, step, syncs, eval_model=evaluate_model, optimizer=dist,
+                      grad_syncs=lambda: list(dist._syncs.values()))
     return make
 
 
@@ -239,33 +327,48 @@ def _daso(net, comm, lr, epochs: int = 10):
     from ..nn import DataParallelMultiGPU
     from ..optim import DASO
 
+    warmup = min(1, epochs - 1)  # DASO needs total_epochs > warmup + cooldown
     daso = DASO(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9), total_epochs=epochs,
-                comm=comm, warmup_epochs=min(1, epochs), cooldown_epochs=min(1, epochs - 1),
+                comm=comm, warmup_epochs=warmup, cooldown_epochs=min(1, epochs - 1 - warmup),
                 max_global_skips=4)
     model = DataParallelMultiGPU(net, daso)
     loss_fn = nn.CrossEntropyLoss()
 
-    def step(x, y):
+    def step(x, y, tracker=None):
         daso.zero_grad()
-        loss = loss_fn(model(x), y)
+        _mark(tracker, "init")
+        out = model(x)
+        _mark(tracker, "fwd_pass")
+        loss = loss_fn(out, y)
+        _mark(tracker, "comp_loss")
         loss.backward()
+        _mark(tracker, "backprop")
         daso.step()
+        _mark(tracker, "opt_step")
         return loss.item()
 
     def start_epoch(batches):
         daso.last_batch = batches
 
-    return Runner(model, step, _DasoBytes(daso), eval_model=_averaged(net, comm), optimizer=daso,
-                  start_epoch=start_epoch, end_epoch=daso.epoch_loss_logic)
+    return Runner(model, step, _DasoBytes(daso, model), eval_model=_averaged(net, comm),
+                  optimizer=daso, start_epoch=start_epoch, end_epoch=daso.epoch_loss_logic,
+                  grad_syncs=lambda: [model.grad_sync] if model.grad_sync is not None else [],
+                  bytes_by_label=lambda: {
+                      "node gradients": model.grad_sync.bytes_sent if model.grad_sync else 0,
+                      "node broadcast": daso.bytes_node, "cross-node": daso.bytes_cross})
 
 
 class _DasoBytes:
-    def __init__(self, daso) -> None:
+    """DASO's payload: node-local gradient averaging, cross-node sends, node broadcasts."""
+
+    def __init__(self, daso, model) -> None:
         self.daso = daso
+        self.model = model
 
     @property
     def bytes_sent(self) -> int:
-        return self.daso.bytes_cross + self.daso.bytes_node
+        node = self.model.grad_sync.bytes_sent if self.model.grad_sync is not None else 0
+        return self.daso.bytes_cross + self.daso.bytes_node + node
 
 
 class _DistOptBytes:
@@ -355,27 +458,75 @@ def make_runner(name: str, net: nn.Module, comm: MPICommunication, lr: float = 0
 
 
 @dataclass
+class Task:
+    """A training workload: data ``(x_train, y_train, x_test, y_test)``, MLP widths, per-rank
+    batch size and learning rate (each algorithm scales it as :data:`ALGORITHMS` says)."""
+
+    name: str
+    data: tuple
+    widths: list[int]
+    batch_size: int = 16
+    lr: float = 0.05
+
+
+def digits_task(seed: int = 0, data=None, hidden: tuple[int, ...] = (128, 64)) -> Task:
+    """The digits MLP 64-128-64-10 (17K parameters), batch 16 per rank, lr 0.05."""
+    return Task("digits", data if data is not None else load_digits_split(seed),
+                [64, *hidden, 10])
+
+
+def synthetic_task(seed: int = 0, samples: int = 3000, features: int = 128) -> Task:
+    """:func:`load_synthetic_split` (10 classes) with an MLP features-256-128-10 (about 67K
+    parameters at 128 features), batch 32 per rank, lr 0.1."""
+    return Task("synthetic", load_synthetic_split(seed, samples, features),
+                [features, 256, 128, 10], batch_size=32, lr=0.1)
+
+
+@dataclass
+class EpochPoint:
+    """The state after ``epoch`` epochs: training wall time so far (seconds, slowest rank per
+    epoch, evaluation excluded) and test accuracy."""
+
+    epoch: int
+    seconds: float
+    accuracy: float
+
+
+@dataclass
 class TrainResult:
     accuracy: float
     step_times: list
     bytes_per_step: float
+    curve: list[EpochPoint] = field(default_factory=list)
+
+    def time_to_accuracy(self, target: float) -> EpochPoint | None:
+        """The first epoch whose test accuracy is >= ``target`` (None: not reached)."""
+        return next((p for p in self.curve if p.accuracy >= target), None)
 
 
-def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size: int = 16,
-                 lr: float = 0.05, seed: int = 0, hidden: tuple[int, int] = (128, 64),
-                 data=None) -> TrainResult:
-    """Train the digits MLP with algorithm ``name``; the final test accuracy, every step's time
-    and the mean bytes per step."""
-    import time
+def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, seed: int = 0,
+               curve: bool = True, target: float | None = None) -> TrainResult:
+    """Train ``task``'s MLP with algorithm ``name`` for ``epochs`` epochs, or until the test
+    accuracy reaches ``target`` (checked after every epoch). With ``curve``, every epoch ends with
+    a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
+    epoch times are measured between a barrier and the slowest rank's end). Returns the final
+    accuracy, every step's time on this rank and the mean bytes per step."""
+    from mpi4py import MPI as _MPI
 
     from ..utils.data import DataLoader, Dataset
 
-    x_train, y_train, x_test, y_test = data if data is not None else load_digits_split(seed)
-    net = mlp([64, *hidden, 10], seed)
-    runner = make_runner(name, net, comm, lr, epochs)
-    loader = DataLoader(Dataset(x_train, y_train), batch_size=batch_size, seed=seed)
-    times = []
-    for _ in range(epochs):
+    x_train, y_train, x_test, y_test = task.data
+    net = mlp(task.widths, seed)
+    runner = make_runner(name, net, comm, task.lr, epochs)
+    loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed)
+    times: list[float] = []
+    points: list[EpochPoint] = []
+    elapsed = 0.0
+    accuracy = None
+    for epoch in range(1, epochs + 1):
+        if curve:
+            comm.Barrier()
+        epoch_start = time.perf_counter()
         runner.start_epoch(len(loader))
         losses = []
         for xb, yb in loader:
@@ -383,5 +534,23 @@ def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size
             losses.append(runner.train_step(xb, yb))
             times.append(time.perf_counter() - start)
         runner.end_epoch(sum(losses) / len(losses))
-    accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
-    return TrainResult(accuracy, times, runner.bytes_sent() / max(1, len(times)))
+        if not curve:
+            continue
+        elapsed += comm.handle.allreduce(time.perf_counter() - epoch_start, op=_MPI.MAX)
+        accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
+        points.append(EpochPoint(epoch, elapsed, accuracy))
+        if target is not None and accuracy >= target:
+            break
+    if accuracy is None:
+        accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
+    return TrainResult(accuracy, times, runner.bytes_sent() / max(1, len(times)), points)
+
+
+def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size: int = 16,
+                 lr: float = 0.05, seed: int = 0, hidden: tuple[int, int] = (128, 64),
+                 data=None, curve: bool = False) -> TrainResult:
+    """Train the digits MLP with algorithm ``name``; the final test accuracy, every step's time
+    and the mean bytes per step (and, with ``curve``, the accuracy after every epoch)."""
+    task = digits_task(seed, data, hidden)
+    task.batch_size, task.lr = batch_size, lr
+    return train_task(name, comm, task, epochs, seed, curve=curve)

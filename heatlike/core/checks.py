@@ -237,6 +237,11 @@ def wait(request, what, board: Board | None = None, seq: int = 0, watch=None,
             next_watch = now + every
         if now - start > 0.05:  # a long wait: stop competing for the core
             time.sleep(1e-4 if now - start < 1 else 1e-3)
+        else:  # let a rank sharing this core (oversubscribed) run: it may be the one we wait for
+            _yield()
+
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
 def _stalled(request, what, board, seq, how: str) -> str:

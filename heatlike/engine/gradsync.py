@@ -40,6 +40,7 @@ rank's own gradients were finite.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -122,6 +123,7 @@ class GradientSync:
                        for p in self.params] if hooks else []
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
+        self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
         weakref.finalize(self, _complete_all, self._requests)
 
@@ -276,8 +278,11 @@ class GradientSync:
             return
         request = self._requests[b]
         if not request.done:
-            _checks.wait(request, lambda: f"the exchange of gradient bucket {b}",
-                         request._board, request._seq, watch=self._board.check)
+            waiting = self.tracker.span(f"bucket {b}", "comm wait") \
+                if self.tracker is not None else contextlib.nullcontext()
+            with waiting:
+                _checks.wait(request, lambda: f"the exchange of gradient bucket {b}",
+                             request._board, request._seq, watch=self._board.check)
         self._reduced.add(b)
 
     def unpack(self, b: int) -> list[torch.nn.Parameter]:

@@ -1,0 +1,527 @@
+"""An alpha-beta cost model of every algorithm's communication per training step.
+
+This is a **model, not a measurement**: it predicts how the per-step time of each algorithm would
+grow with the number of ranks from two link parameters and a handful of textbook formulas. It
+ignores contention beyond what the parameters capture, the overlap of communication with the
+backward pass (non-blocking modes, bucketing), the codecs' own compute (top-k selection,
+PowerSGD's orthogonalization), the algorithm the MPI library actually picks, stragglers and noise.
+Use it to compare algorithms and to see where latency or bandwidth starts to dominate; the
+``costmodel`` suite prints it next to the step times measured at the sizes actually run, and the
+distance between the two is part of the result.
+
+Links. A message of n bytes over a link takes ``alpha + n * beta`` (latency alpha, inverse
+bandwidth beta). There are two links: node-local (between ranks of one node) and cross-node.
+``--links local_us:local_GBps,cross_us:cross_GBps`` gives them (``1.5:20,4:12.5`` = 1.5 us and
+20 GB/s inside a node, 4 us and 12.5 GB/s between nodes); otherwise they come from the ``comm``
+suite's ring ``Sendrecv`` measurement (:func:`heatlike.bench.comm.measure_links`; on one node
+the cross-node link is taken equal to the node-local one).
+
+Layout. P ranks, L ranks per node (``--ranks-per-node``), N = ceil(P / L) nodes. A collective over
+all ranks whose ring crosses nodes runs at the pace of its slowest link: the cross-node one when
+N > 1.
+
+Primitives, for n bytes per rank on p ranks over link (alpha, beta):
+
+* ring all-reduce: ``2 (p - 1) (alpha + n/p beta)`` (reduce-scatter, then all-gather);
+* all-gather of k bytes from every rank: ``(p - 1) (alpha + k beta)``;
+* reduce to one rank and broadcast from one rank: ``2 (p - 1) (alpha + n/p beta)`` each
+  (reduce-scatter + gather; scatter + all-gather);
+* hierarchical all-reduce: node-local reduce (L ranks, local link) + ring all-reduce among one
+  rank per node (N ranks, cross link) + node-local broadcast;
+* neighbor exchange of n bytes with d neighbors: ``d (alpha + n beta)``.
+
+Per algorithm, with m parameters (float32, 4m bytes), matrices ``a_i x b_i`` (tensors of more
+than one dimension, flattened after the first), and ``m_1`` elements in 1-D tensors:
+
+=====================================  ==================================================
+all-reduce presets (DataParallel,      ring all-reduce of 4m
+centralized SGD/Adam, clipping,
+DistOpt fused)
+bf16 cast, FP16Optimizer, DistOpt      ring all-reduce of 2m
+half
+hierarchical                           hierarchical all-reduce of 4m
+PowerSGD rank r                        ring all-reduce of ``4 (r sum a_i + m_1)`` then of
+                                       ``4 r sum b_i``
+top-k ratio q (also DistOpt sparse)    all-gather of ``8 ceil(q m)`` (index and value)
+random-k ratio q, shared               ring all-reduce of ``4 ceil(q m)``
+sparsified SGD (blocks of 1024)        all-gather of ``8 sum min(1024, m_i)``; shared
+                                       blocks: ring all-reduce of ``4 sum min(1024, m_i)``
+sign / scaled sign                     all-gather of ``ceil(m / 8)`` bytes (one bit each)
+decentralized (ring gossip)            neighbor exchange of 4m with 2 neighbors
+DistOpt partial                        ring all-reduce of one partition, ``4m / partitions``
+                                       on average (partitions of the engine's bucket plan)
+DASO (cycling phase: global sync      node-local ring all-reduce of 4m every step, and
+every k = 4 steps)                     every k steps a ring all-reduce of 2m (bfloat16)
+                                       among the N nodes plus a node-local broadcast of 4m
+=====================================  ==================================================
+
+Predicted step time = measured compute time of one step (forward, backward and local optimizer
+step of the same model and per-rank batch on one rank, no communication: weak scaling, so it does
+not change with P) + predicted communication time; no overlap is assumed, so for the
+non-blocking modes the prediction is an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Link", "Links", "Layout", "ring_allreduce", "allgather", "reduce", "bcast",
+           "hierarchical_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
+           "payload_bytes", "predict", "parse_links", "RANKS", "run"]
+
+#: the predicted world sizes
+RANKS = tuple(2 ** k for k in range(3, 13))  # 8 .. 4096
+
+
+@dataclass(frozen=True)
+class Link:
+    """``alpha`` seconds per message, ``beta`` seconds per byte."""
+
+    alpha: float
+    beta: float
+
+    @classmethod
+    def from_us_gbps(cls, latency_us: float, gbps: float) -> Link:
+        """From a latency in microseconds and a bandwidth in GB/s (1e9 bytes per second)."""
+        if latency_us < 0 or gbps <= 0:
+            raise ValueError(f"need latency >= 0 and bandwidth > 0, got {latency_us} us, "
+                             f"{gbps} GB/s")
+        return cls(latency_us * 1e-6, 1.0 / (gbps * 1e9))
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second."""
+        return 1.0 / self.beta
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+    def __str__(self) -> str:
+        return f"alpha {self.alpha * 1e6:.2f} us, {self.bandwidth / 1e9:.2f} GB/s"
+
+
+@dataclass(frozen=True)
+class Links:
+    local: Link
+    cross: Link
+
+
+def parse_links(spec: str) -> Links:
+    """``"local_us:local_GBps,cross_us:cross_GBps"`` (the cross-node pair may be left out: then
+    it equals the node-local one)."""
+    try:
+        parts = [tuple(float(v) for v in p.split(":")) for p in spec.split(",") if p.strip()]
+        if not 1 <= len(parts) <= 2 or any(len(p) != 2 for p in parts):
+            raise ValueError
+        links = [Link.from_us_gbps(*p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--links takes local_us:local_GBps[,cross_us:cross_GBps] with "
+                         f"positive bandwidths, got {spec!r}") from None
+    return Links(links[0], links[-1])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``ranks`` ranks, ``ranks_per_node`` per node (the last node may hold fewer)."""
+
+    ranks: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.ranks_per_node < 1:
+            raise ValueError(f"need ranks >= 1 and ranks_per_node >= 1, got {self}")
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.ranks // self.ranks_per_node)
+
+    @property
+    def local(self) -> int:
+        """Ranks on a (full) node."""
+        return min(self.ranks, self.ranks_per_node)
+
+    def flat_link(self, links: Links) -> Link:
+        """The link that paces a collective over all ranks."""
+        return links.cross if self.nodes > 1 else links.local
+
+
+# -- primitives ---------------------------------------------------------------------------------
+
+def ring_allreduce(nbytes: float, p: int, link: Link) -> float:
+    """``2 (p - 1) (alpha + nbytes/p beta)``; 0 for one rank."""
+    return 2 * (p - 1) * (link.alpha + nbytes / p * link.beta) if p > 1 else 0.0
+
+
+def allgather(kbytes: float, p: int, link: Link) -> float:
+    """``(p - 1) (alpha + k beta)``: every rank's k bytes to every rank (ring)."""
+    return (p - 1) * (link.alpha + kbytes * link.beta) if p > 1 else 0.0
+
+
+def reduce(nbytes: float, p: int, link: Link) -> float:
+    """Reduce to one rank as reduce-scatter + gather: ``2 (p - 1) (alpha + nbytes/p beta)``."""
+    return 2 * (p - 1) * (link.alpha + nbytes / p * link.beta) if p > 1 else 0.0
+
+
+def bcast(nbytes: float, p: int, link: Link) -> float:
+    """Broadcast as scatter + all-gather: ``2 (p - 1) (alpha + nbytes/p beta)``."""
+    return 2 * (p - 1) * (link.alpha + nbytes / p * link.beta) if p > 1 else 0.0
+
+
+def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
+    """Node-local reduce + ring all-reduce among one rank per node + node-local broadcast."""
+    local, nodes = layout.local, layout.nodes
+    return (reduce(nbytes, local, links.local) + ring_allreduce(nbytes, nodes, links.cross)
+            + bcast(nbytes, local, links.local))
+
+
+def neighbor_exchange(nbytes: float, degree: int, link: Link) -> float:
+    """``degree (alpha + nbytes beta)``: this rank's n bytes to each neighbor, one at a time."""
+    return degree * link.time(nbytes)
+
+
+# -- the algorithms -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the model needs to know about the parameters."""
+
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, module_or_shapes) -> Shapes:
+        if hasattr(module_or_shapes, "parameters"):
+            return cls(tuple(tuple(p.shape) for p in module_or_shapes.parameters()))
+        return cls(tuple(tuple(s) for s in module_or_shapes))
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def matrices(self) -> list[tuple[int, int]]:
+        """(rows, columns) of every tensor of more than one dimension (flattened after dim 0)."""
+        return [(s[0], math.prod(s[1:])) for s in self.shapes if len(s) > 1]
+
+    @property
+    def vector_elements(self) -> int:
+        return sum(math.prod(s) for s in self.shapes if len(s) <= 1)
+
+    def partitions(self, threshold: int) -> int:
+        """How many buckets the engine plans for DistOpt's partial update with ``threshold``
+        elements (parameters in reverse order, capped at ``4 * threshold`` bytes)."""
+        import torch
+
+        from ..engine.buckets import plan_buckets
+
+        tensors = [torch.empty(s) for s in reversed(self.shapes)]
+        cap = 4 * threshold
+        return len(plan_buckets(tensors, cap, cap, flags=False))
+
+
+Model = Callable[[Shapes, Layout, Links], tuple[float, float]]
+
+
+def _ring(factor: float) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        n = factor * s.total
+        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+    return model
+
+
+def _hierarchical(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+    n = 4.0 * s.total
+    return hierarchical_allreduce(n, lay, links), n
+
+
+def _powersgd(rank: int) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        first = 4.0 * (rank * sum(a for a, _ in s.matrices) + s.vector_elements)
+        second = 4.0 * rank * sum(b for _, b in s.matrices)
+        link = lay.flat_link(links)
+        return (ring_allreduce(first, lay.ranks, link)
+                + ring_allreduce(second, lay.ranks, link)), first + second
+    return model
+
+
+def _gather(kbytes: Callable[[Shapes], float]) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        k = kbytes(s)
+        return allgather(k, lay.ranks, lay.flat_link(links)), k
+    return model
+
+
+def _ring_of(nbytes: Callable[[Shapes], float]) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        n = nbytes(s)
+        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+    return model
+
+
+def _gossip(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+    degree = min(2, lay.ranks - 1)
+    n = 4.0 * s.total
+    return neighbor_exchange(n, degree, lay.flat_link(links)), degree * n
+
+
+def _partial(threshold: int) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        n = 4.0 * s.total / s.partitions(threshold)
+        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+    return model
+
+
+def _daso(every: int) -> Model:
+    def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+        n = 4.0 * s.total
+        local, nodes = lay.local, lay.nodes
+        node_grads = ring_allreduce(n, local, links.local)
+        sync = ring_allreduce(n / 2, nodes, links.cross) + bcast(n, local, links.local)
+        # per rank: every step its node's gradient all-reduce; per global sync one group of
+        # ranks (taking turns, so 1/L of them) sends, and every rank takes part in the broadcast
+        per_sync = (n / 2 / local if nodes > 1 else 0.0) + (n if local > 1 else 0.0)
+        return node_grads + sync / every, (n if local > 1 else 0.0) + per_sync / every
+    return model
+
+
+def _blocks(s: Shapes) -> int:
+    return sum(min(1024, m) for m in s.numels)
+
+
+#: algorithm (a key of heatlike.bench.workloads.ALGORITHMS) -> (pattern, model); a model maps
+#: (shapes, layout, links) to (seconds of communication per step, payload bytes per rank)
+MODELS: dict[str, tuple[str, Model]] = {
+    "allreduce": ("ring all-reduce 4m", _ring(4)),
+    "allreduce-nonblocking": ("ring all-reduce 4m", _ring(4)),
+    "centralized-sgd": ("ring all-reduce 4m", _ring(4)),
+    "centralized-adam": ("ring all-reduce 4m", _ring(4)),
+    "custom-clip": ("ring all-reduce 4m", _ring(4)),
+    "hierarchical": ("hierarchical 4m", _hierarchical),
+    "bf16": ("ring all-reduce 2m", _ring(2)),
+    "fp16-optimizer": ("ring all-reduce 2m", _ring(2)),
+    "powersgd-2": ("2 all-reduces, r=2", _powersgd(2)),
+    "topk-1%": ("all-gather 8k, k=1%", _gather(lambda s: 8.0 * math.ceil(0.01 * s.total))),
+    "randomk-10%": ("all-reduce 4k, k=10%",
+                    _ring_of(lambda s: 4.0 * math.ceil(0.1 * s.total))),
+    "sparsified-sgd": ("all-gather 8k, blocks", _gather(lambda s: 8.0 * _blocks(s))),
+    "sparsified-sgd-shared": ("all-reduce 4k, blocks", _ring_of(lambda s: 4.0 * _blocks(s))),
+    "sign": ("all-gather m/8", _gather(lambda s: math.ceil(s.total / 8))),
+    "ef-sign": ("all-gather m/8", _gather(lambda s: math.ceil(s.total / 8))),
+    "decentralized": ("neighbors 2 x 4m", _gossip),
+    "distopt-fused": ("ring all-reduce 4m", _ring(4)),
+    "distopt-half": ("ring all-reduce 2m", _ring(2)),
+    "distopt-partial": ("all-reduce 4m/parts", _partial(4096)),
+    "distopt-sparse": ("all-gather 8k, k=1%",
+                       _gather(lambda s: 8.0 * math.ceil(0.01 * s.total))),
+    "daso": ("node 4m + cross 2m / 4", _daso(4)),
+}
+
+
+def comm_time(name: str, shapes: Shapes, layout: Layout, links: Links) -> float:
+    """Predicted communication seconds per step of algorithm ``name``."""
+    return MODELS[name][1](shapes, layout, links)[0]
+
+
+def payload_bytes(name: str, shapes: Shapes, layout: Layout, links: Links) -> float:
+    """Modelled payload bytes per rank per step (what the engine counts as ``bytes_sent``)."""
+    return MODELS[name][1](shapes, layout, links)[1]
+
+
+def predict(names: Sequence[str], shapes: Shapes, compute_s: float, links: Links,
+            ranks: Sequence[int] = RANKS, ranks_per_node: int = 4) -> dict[str, dict[int, float]]:
+    """``{algorithm: {P: predicted step seconds}}`` = compute + modelled communication."""
+    return {name: {p: compute_s + comm_time(name, shapes, Layout(p, ranks_per_node), links)
+                   for p in ranks} for name in names}
+
+
+def prediction_table(pred: dict[str, dict[int, float]]) -> list[str]:
+    """Lines of a table of predicted step times in ms (one row per algorithm)."""
+    ranks = sorted({p for row in pred.values() for p in row})
+    lines = [f"{'algorithm':>22} " + " ".join(f"{p:>8d}" for p in ranks)]
+    for name, row in pred.items():
+        lines.append(f"{name:>22} " + " ".join(f"{row[p] * 1e3:8.2f}" for p in ranks))
+    return lines
+
+
+# -- the suite ----------------------------------------------------------------------------------
+
+def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
+    """Collective: median seconds of a local training step (forward, backward, SGD step; no
+    communication) of an MLP of ``widths`` on ``batch`` samples, slowest rank; all ranks compute
+    at once, as in the distributed run."""
+    import torch
+    from mpi4py import MPI
+
+    from .workloads import mlp
+
+    net = mlp(list(widths), seed=0)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    comm = MPI.COMM_WORLD
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(batch, widths[0], generator=g)
+    y = torch.randint(0, widths[-1], (batch,), generator=g)
+    times = []
+    comm.Barrier()
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def _links_from(results, spec: str | None, quick: bool) -> tuple[Links, str]:
+    """The links to use and where they come from: --links, the comm suite's records, or a
+    measurement now."""
+    if spec:
+        return parse_links(spec), "given (--links)"
+    found = {}
+    for link in ("local", "cross"):
+        case = f"p2p {'node-local' if link == 'local' else 'cross-node'}"
+        alpha = results.value("comm", case, "latency")
+        bandwidth = results.value("comm", case, "bandwidth")
+        if alpha is not None and bandwidth is not None:
+            found[link] = Link.from_us_gbps(alpha, bandwidth)
+    source = "measured by the comm suite"
+    if not found:
+        from .comm import measure_links, record_links
+
+        measured = measure_links(quick)
+        record_links(results, measured)
+        found = {k: Link(v.alpha, 1.0 / v.bandwidth) for k, v in measured.items() if v}
+        source = "measured now (ring Sendrecv)"
+    if not found:  # a single rank: nothing to measure
+        return Links(Link(0.0, 1e-12), Link(0.0, 1e-12)), \
+            "none (one rank, nothing to measure; pass --links), so communication counts as 0"
+    local = found.get("local", found.get("cross"))
+    cross = found.get("cross")
+    if cross is None:
+        source += "; no cross-node link here, taken equal to the node-local one"
+    return Links(local, cross or local), source
+
+
+def run(results, quick: bool = False, algorithms: str | None = None, links: str | None = None,
+        ranks_per_node: int = 4) -> dict:
+    """The ``costmodel`` suite: prediction table next to the measured points; returns the
+    prediction ``{algorithm: {P: seconds}}``."""
+    from mpi4py import MPI
+
+    from ..core.communication import MPI_WORLD
+    from ..core.topology import Topology
+    from ..utils.launch import configure_threads
+    from ._common import describe_environment, oversubscription_note, say
+    from .algorithms import LARGE, LARGE_BATCH, choose_algorithms, large_step_stats
+    from .workloads import mlp
+
+    comm = MPI.COMM_WORLD
+    configure_threads(comm)
+    names = choose_algorithms(algorithms, False)  # the model is cheap: all of them
+    measure_here = [] if results.find("algorithms", "large step time") else \
+        choose_algorithms(algorithms, quick)
+    shapes = Shapes.of(mlp(LARGE, seed=0))
+    chosen, source = _links_from(results, links, quick)
+    compute = measure_compute(LARGE, LARGE_BATCH, 3 if quick else 10)
+    topo = Topology(MPI_WORLD)
+    here = Layout(comm.Get_size(), max(topo.local_sizes))
+    topo.free()
+    say(f"# costmodel: alpha-beta MODEL (not a measurement) of the per-step communication, "
+        f"MLP {'-'.join(map(str, LARGE))} ({shapes.total / 1e6:.2f}M parameters), batch "
+        f"{LARGE_BATCH} per rank; {describe_environment(comm)}")
+    say(f"# links {source}: node-local {chosen.local}; cross-node {chosen.cross}")
+    note = oversubscription_note(comm)
+    if note and not links:
+        say(f"# {note}; pass --links for the links of a real machine")
+    say(f"# compute per step (measured, no communication): {compute * 1e3:.2f} ms; "
+        f"prediction = compute + communication, no overlap")
+    results.add("costmodel", "links", "local alpha", chosen.local.alpha * 1e6, "us",
+                source=source)
+    results.add("costmodel", "links", "local bandwidth", chosen.local.bandwidth / 1e9, "GB/s",
+                source=source)
+    results.add("costmodel", "links", "cross alpha", chosen.cross.alpha * 1e6, "us",
+                source=source)
+    results.add("costmodel", "links", "cross bandwidth", chosen.cross.bandwidth / 1e9, "GB/s",
+                source=source)
+    results.add("costmodel", "compute", "compute time", compute * 1e3, "ms",
+                widths="-".join(map(str, LARGE)), batch=LARGE_BATCH)
+    say(f"# at the size run: {here.ranks} ranks, {here.nodes} node(s) of up to "
+        f"{here.ranks_per_node}")
+    say(f"{'algorithm':>22} {'pattern':>24} {'model MB':>9} {'meas. MB':>9} {'model ms':>9} "
+        f"{'meas. ms':>9} {'meas/model':>10}")
+    for name in names:
+        model_s = compute + comm_time(name, shapes, here, chosen)
+        model_b = payload_bytes(name, shapes, here, chosen)
+        measured = results.value("algorithms", name, "large step time")
+        measured_b = results.value("algorithms", name, "large bytes per step")
+        if measured is None and name in measure_here:
+            step, measured_b = large_step_stats(name, 2 if quick else 5)
+            measured = step * 1e3
+            results.add("costmodel", name, "measured step time", measured, "ms",
+                        ranks=here.ranks)
+            results.add("costmodel", name, "measured bytes per step", measured_b, "bytes",
+                        ranks=here.ranks)
+        results.add("costmodel", name, "model step time", model_s * 1e3, "ms", ranks=here.ranks,
+                    ranks_per_node=here.ranks_per_node, at="size run")
+        results.add("costmodel", name, "model bytes per step", model_b, "bytes",
+                    ranks=here.ranks)
+        if measured is None:
+            say(f"{name:>22} {MODELS[name][0]:>24} {model_b / 1e6:9.3f} {'-':>9} "
+                f"{model_s * 1e3:9.2f} {'-':>9} {'-':>10}")
+        else:
+            say(f"{name:>22} {MODELS[name][0]:>24} {model_b / 1e6:9.3f} "
+                f"{measured_b / 1e6:9.3f} {model_s * 1e3:9.2f} {measured:9.2f} "
+                f"{measured / (model_s * 1e3):10.2f}")
+    pred = predict(names, shapes, compute, chosen, RANKS, ranks_per_node)
+    for name, row in pred.items():
+        for p, seconds in row.items():
+            results.add("costmodel", name, "model step time", seconds * 1e3, "ms", ranks=p,
+                        ranks_per_node=ranks_per_node)
+    say(f"# predicted step time (ms) at P ranks, {ranks_per_node} ranks per node (a model)")
+    for line in prediction_table(pred):
+        say(line)
+    return pred
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m heatlike.bench.costmodel --links ... --compute-ms ...``: the prediction table
+    without running anything (one process)."""
+    p = argparse.ArgumentParser(prog="python -m heatlike.bench.costmodel",
+                                description="Predicted step times (a model, not a "
+                                            "measurement; see the module docstring).")
+    p.add_argument("--links", required=True, metavar="LOCAL_US:LOCAL_GBPS,CROSS_US:CROSS_GBPS")
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="measured compute time of one step (default 0: communication only)")
+    p.add_argument("--ranks-per-node", type=int, default=4)
+    p.add_argument("--widths", default="784,1024,1024,10", help="MLP layer widths")
+    p.add_argument("--algorithms", default=None, help="comma-separated (default: all)")
+    args = p.parse_args(argv)
+    from .workloads import mlp
+
+    widths = [int(w) for w in args.widths.split(",")]
+    names = [n.strip() for n in args.algorithms.split(",")] if args.algorithms else list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        p.error(f"unknown algorithms {unknown}")
+    shapes = Shapes.of(mlp(widths, seed=0))
+    pred = predict(names, shapes, args.compute_ms * 1e-3, parse_links(args.links), RANKS,
+                   args.ranks_per_node)
+    print(f"# predicted step time (ms), MLP {'-'.join(map(str, widths))}, "
+          f"{args.ranks_per_node} ranks per node, compute {args.compute_ms} ms (a model)")
+    for line in prediction_table(pred):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

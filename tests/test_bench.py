@@ -1,0 +1,394 @@
+"""The benchmark suite's user side: result records, the cost model, time to accuracy, the
+tracker's Chrome trace, and the figures."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from heatlike.bench import costmodel as cm
+from heatlike.bench._common import FIELDS, Record, Results, topology_label
+from heatlike.bench.tta import TimeToAccuracy, measure, time_to_accuracy
+from heatlike.bench.workloads import (
+    ALGORITHMS,
+    EpochPoint,
+    Task,
+    load_synthetic_split,
+    make_runner,
+    mlp,
+)
+from heatlike.core.topology import Topology
+from heatlike.utils import Tracker
+
+# -- the cost model against the formulas, by hand ---------------------------------------------
+
+LOCAL = cm.Link.from_us_gbps(2.0, 10.0)   # 2e-6 s, 1e-10 s/byte
+CROSS = cm.Link.from_us_gbps(5.0, 1.0)    # 5e-6 s, 1e-9 s/byte
+LINKS = cm.Links(LOCAL, CROSS)
+
+
+def test_links_and_layout():
+    assert LOCAL.alpha == pytest.approx(2e-6) and LOCAL.beta == pytest.approx(1e-10)
+    assert LOCAL.bandwidth == pytest.approx(1e10)
+    parsed = cm.parse_links("2:10,5:1")
+    assert parsed.local == LOCAL and parsed.cross.alpha == pytest.approx(5e-6)
+    assert parsed.cross.beta == pytest.approx(1e-9)
+    assert cm.parse_links("3:4").cross == cm.parse_links("3:4").local
+    for bad in ("", "1", "1:0", "a:b", "1:2,3:4,5:6", "-1:2"):
+        with pytest.raises(ValueError):
+            cm.parse_links(bad)
+    lay = cm.Layout(10, 4)
+    assert (lay.nodes, lay.local) == (3, 4)
+    assert cm.Layout(3, 4).nodes == 1 and cm.Layout(3, 4).local == 3
+    assert cm.Layout(8, 4).flat_link(LINKS) == CROSS
+    assert cm.Layout(4, 4).flat_link(LINKS) == LOCAL
+
+
+def test_primitives_by_hand():
+    n = 8e6
+    # ring all-reduce: 2 (p-1) (alpha + n/p beta)
+    assert cm.ring_allreduce(n, 8, CROSS) == pytest.approx(2 * 7 * (5e-6 + 1e6 * 1e-9))
+    assert cm.ring_allreduce(n, 1, CROSS) == 0.0
+    # all-gather of k bytes: (p-1) (alpha + k beta)
+    assert cm.allgather(1000, 16, LOCAL) == pytest.approx(15 * (2e-6 + 1000 * 1e-10))
+    # reduce / bcast: reduce-scatter + gather, scatter + all-gather
+    assert cm.reduce(n, 4, LOCAL) == pytest.approx(2 * 3 * (2e-6 + 2e6 * 1e-10))
+    assert cm.bcast(n, 4, LOCAL) == cm.reduce(n, 4, LOCAL)
+    # hierarchical on 4 nodes x 4 ranks: local reduce + cross ring among 4 + local bcast
+    lay = cm.Layout(16, 4)
+    expected = 2 * (2 * 3 * (2e-6 + 2e6 * 1e-10)) + 2 * 3 * (5e-6 + 2e6 * 1e-9)
+    assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(expected)
+    assert cm.neighbor_exchange(1000, 2, LOCAL) == pytest.approx(2 * (2e-6 + 1000 * 1e-10))
+
+
+def test_algorithm_models_by_hand():
+    assert set(cm.MODELS) == set(ALGORITHMS)
+    net = mlp([64, 128, 64, 10])
+    shapes = cm.Shapes.of(net)
+    m = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    assert shapes.total == m == 17226
+    lay = cm.Layout(8, 4)  # 2 nodes: flat collectives run at the cross-node link's pace
+    ring = lambda nbytes: 2 * 7 * (5e-6 + nbytes / 8 * 1e-9)  # noqa: E731
+    gather = lambda k: 7 * (5e-6 + k * 1e-9)  # noqa: E731
+    assert cm.comm_time("allreduce", shapes, lay, LINKS) == pytest.approx(ring(4 * m))
+    assert cm.comm_time("bf16", shapes, lay, LINKS) == pytest.approx(ring(2 * m))
+    # PowerSGD rank 2: all-reduce of 4 (r sum rows + 1-D) then of 4 r sum columns
+    first = 4 * (2 * (128 + 64 + 10) + (128 + 64 + 10))
+    second = 4 * 2 * (64 + 128 + 64)
+    assert cm.payload_bytes("powersgd-2", shapes, lay, LINKS) == first + second == 4472
+    assert cm.comm_time("powersgd-2", shapes, lay, LINKS) == pytest.approx(
+        ring(first) + ring(second))
+    k = math.ceil(0.01 * m)
+    assert cm.comm_time("topk-1%", shapes, lay, LINKS) == pytest.approx(gather(8 * k))
+    assert cm.comm_time("sign", shapes, lay, LINKS) == pytest.approx(gather(math.ceil(m / 8)))
+    assert cm.comm_time("decentralized", shapes, lay, LINKS) == pytest.approx(
+        2 * (5e-6 + 4 * m * 1e-9))
+    hier = 2 * (2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 4 * m / 2 * 1e-9)
+    assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
+    # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
+    # 2 nodes and a node-local broadcast of 4m
+    node = 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
+    sync = 2 * 1 * (5e-6 + 2 * m / 2 * 1e-9) + 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
+    assert cm.comm_time("daso", shapes, lay, LINKS) == pytest.approx(node + sync / 4)
+    # DistOpt partial: the engine plans 4 partitions of this MLP at 4096 elements
+    assert shapes.partitions(4096) == 4
+    assert cm.payload_bytes("distopt-partial", shapes, lay, LINKS) == pytest.approx(4 * m / 4)
+    # predict = compute + communication, at every size
+    pred = cm.predict(["allreduce"], shapes, 0.01, LINKS, ranks=(8, 64), ranks_per_node=4)
+    assert pred["allreduce"][8] == pytest.approx(0.01 + ring(4 * m))
+    assert pred["allreduce"][64] == pytest.approx(
+        0.01 + cm.ring_allreduce(4 * m, 64, CROSS))
+    lines = cm.prediction_table(pred)
+    assert len(lines) == 2 and "allreduce" in lines[1]
+
+
+def test_costmodel_cli(capsys):
+    assert cm.main(["--links", "2:10,5:1", "--compute-ms", "10", "--algorithms",
+                    "allreduce,daso", "--widths", "64,128,64,10"]) == 0
+    out = capsys.readouterr().out
+    assert "a model" in out and "4096" in out and "daso" in out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "bf16", "powersgd-2", "topk-1%", "sign",
+                                  "decentralized"])
+def test_model_payload_matches_the_engine(comm, name):
+    """The modelled payload per rank per step equals what the engine counts (within the
+    per-bucket rounding of k)."""
+    if name == "decentralized" and comm.size < 3:
+        pytest.skip("a ring has two neighbors from 3 ranks on")
+    net = mlp([64, 128, 64, 10])
+    runner = make_runner(name, net, comm, lr=0.01)
+    runner.start_epoch(4)
+    g = torch.Generator().manual_seed(comm.rank)
+    x, y = torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
+    runner.train_step(x, y)
+    before = runner.bytes_sent()
+    runner.train_step(x, y)
+    runner.finish()
+    measured = runner.bytes_sent() - before
+    model = cm.payload_bytes(name, cm.Shapes.of(net), cm.Layout(comm.size, comm.size), LINKS)
+    assert measured == pytest.approx(model, rel=0.02, abs=64)
+
+
+# -- result records ---------------------------------------------------------------------------
+
+def test_json_records_have_all_fields(tmp_path):
+    results = Results()
+    results.add("comm", "allreduce 4 KiB", "heatlike time", 12.5, "us", size_bytes=4096)
+    results.add("tta", "sign", "digits best accuracy", float("nan"), "fraction", task="digits")
+    path = tmp_path / "out" / "results.json"
+    results.write_json(str(path))
+    items = json.loads(path.read_text())
+    assert len(items) == 2
+    for item in items:
+        assert set(item) == set(FIELDS)
+        assert isinstance(item["world_size"], int) and item["topology"]
+    assert items[0]["params"] == {"size_bytes": 4096} and items[0]["value"] == 12.5
+    assert items[1]["value"] is None  # NaN is not JSON
+    back = Results.read_json(str(path))
+    assert back.records[0] == results.records[0]
+    assert math.isnan(back.records[1].value)
+    with pytest.raises(ValueError, match="lacks"):
+        Results.from_list([{"suite": "x"}])
+
+
+def test_topology_label(monkeypatch):
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", "2")
+    assert topology_label(4) == "2 emulated nodes x 2 ranks"
+    assert topology_label(3) == "2 emulated nodes of 2,1 ranks"
+    monkeypatch.delenv("HEATLIKE_RANKS_PER_NODE")
+    monkeypatch.setenv("HEATLIKE_NODE_IDS", "0,0,0,1")
+    assert topology_label(4) == "2 emulated nodes of 3,1 ranks"
+
+
+@pytest.mark.mpi
+def test_link_measurement_records(comm):
+    from heatlike.bench.comm import bus_bandwidth, measure_links, record_links
+
+    assert bus_bandwidth(1000, 1e-6, 4) == pytest.approx(1000 * 2 * 3 / 4 / 1e-6)
+    assert bus_bandwidth(1000, 1e-6, 1) == 0.0
+    links = measure_links(quick=True)
+    results = Results()
+    record_links(results, links)
+    topo = Topology(comm)
+    try:
+        has_local = max(topo.local_sizes) > 1
+        has_cross = topo.num_nodes > 1
+    finally:
+        topo.free()
+    assert (links["local"] is not None) == has_local
+    assert (links["cross"] is not None) == has_cross
+    for link in links.values():
+        if link is not None:
+            assert link.alpha > 0 and link.bandwidth > 0 and link.beta > 0
+    assert len(results.records) == 2 * (has_local + has_cross)
+    assert all(r.world_size == comm.size for r in results.records)
+
+
+# -- time to accuracy -------------------------------------------------------------------------
+
+def test_time_to_accuracy_from_a_curve():
+    curve = [EpochPoint(1, 1.5, 0.80), EpochPoint(2, 3.0, 0.93), EpochPoint(3, 4.5, 0.96)]
+    hit = time_to_accuracy(curve, 0.95)
+    assert (hit.epochs, hit.seconds, hit.best, hit.reached) == (3, 4.5, 0.96, True)
+    assert time_to_accuracy(curve, 0.90).epochs == 2
+    miss = time_to_accuracy(curve, 0.99)
+    assert not miss.reached and miss.epochs is None and miss.epochs_run == 3
+    assert miss.describe().startswith("not reached")
+    assert hit.describe() == "3 epochs, 4.50 s"
+
+
+@pytest.mark.mpi
+def test_tiny_time_to_accuracy_run(comm):
+    task = Task("tiny", load_synthetic_split(0, samples=240, features=16), [16, 32, 10],
+                batch_size=16, lr=0.1)
+    result = measure("allreduce", task, target=0.5, max_epochs=2, comm=comm)
+    assert isinstance(result, TimeToAccuracy)
+    assert 1 <= result.epochs_run <= 2 and len(result.curve) == result.epochs_run
+    assert result.reached or result.describe().startswith("not reached")
+    if result.reached:
+        assert result.epochs >= 1 and result.seconds > 0
+        assert result.epochs == result.epochs_run  # it stops at the target
+    times = [p.seconds for p in result.curve]
+    assert times == sorted(times)
+    # every rank got the same verdict
+    assert comm.handle.allgather((result.epochs, result.best)) == \
+        [(result.epochs, result.best)] * comm.size
+
+
+# -- tracker spans and the Chrome trace ---------------------------------------------------------
+
+def _check_trace(trace: dict, size: int) -> None:
+    """Valid structure, one pid per rank named "rank N", sensible nesting on every rank."""
+    events = trace["traceEvents"]
+    json.dumps(trace)  # serializable
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == set(range(size))
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(size)}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    eps = 0.002  # microseconds: rounding of ts and dur
+    for e in complete:
+        assert e["ts"] >= 0 and e["dur"] >= 0
+        assert threads[(e["pid"], e["tid"])] == e["cat"]  # one tid per category
+    for rank in range(size):
+        mine = [e for e in complete if e["pid"] == rank]
+        steps = [e for e in mine if e["cat"] == "step"]
+        assert steps
+        for e in mine:  # everything lies inside one of its rank's steps
+            if e["cat"] != "step":
+                assert any(s["ts"] - eps <= e["ts"] and
+                           e["ts"] + e["dur"] <= s["ts"] + s["dur"] + eps for s in steps), e
+        by_tid: dict = {}
+        for e in mine:
+            by_tid.setdefault(e["tid"], []).append(e)
+        for row in by_tid.values():  # within a row: disjoint or nested, never crossing
+            row.sort(key=lambda e: (e["ts"], -e["dur"]))
+            open_ends: list = []
+            for e in row:
+                while open_ends and open_ends[-1] <= e["ts"] + eps:
+                    open_ends.pop()
+                end = e["ts"] + e["dur"]
+                if open_ends:
+                    assert end <= open_ends[-1] + eps, e
+                open_ends.append(end)
+
+
+@pytest.mark.mpi
+def test_tracker_chrome_trace(comm, mpi_tmp_path):
+    tracker = Tracker()
+    for _ in range(3):
+        tracker.batch_start()
+        tracker.record_batch_init()
+        tracker.record("fwd_pass")
+        with tracker.span("wait", "comm wait", bucket=0):
+            comm.Barrier()
+        tracker.record_batch_backprop()
+        tracker.add_bytes(100 * (comm.rank + 1), "AllReduce", received=50)
+        tracker.record("agg")
+        tracker.record("opt_step")
+        tracker.batch_end()
+    summary = tracker.summary()
+    assert summary["steps"] == 3 and summary["bytes_per_step"] == {"AllReduce": 100 * (
+        comm.rank + 1)}
+    assert summary["bytes_received_per_step"] == {"AllReduce": 50}
+    assert set(summary["phase_s"]) == {"init", "fwd_pass", "backprop", "agg", "opt_step"}
+    assert summary["wait_s"]["comm wait"] >= 0
+    with pytest.raises(ValueError):
+        tracker.add_span("backwards", 2.0, 1.0)
+    path = str(mpi_tmp_path / "trace.json")
+    trace = tracker.write_chrome_trace(path, comm)
+    if comm.rank != 0:
+        assert trace is None
+        return
+    with open(path) as f:
+        on_disk = json.load(f)
+    assert on_disk["traceEvents"] == trace["traceEvents"]
+    _check_trace(on_disk, comm.size)
+    steps = [e for e in on_disk["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"]
+    assert len(steps) == 3 * comm.size
+    assert all(e["args"]["bytes sent AllReduce"] == 100 * (e["pid"] + 1) for e in steps)
+    waits = [e for e in on_disk["traceEvents"] if e["ph"] == "X" and e["cat"] == "comm wait"]
+    assert len(waits) == 3 * comm.size and all(e["args"] == {"bucket": 0} for e in waits)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["allreduce", "centralized-sgd"])
+def test_trace_of_training_steps(comm, mpi_tmp_path, name):
+    """Training steps traced through the Runner: phases, the engine's waits, bytes per step."""
+    from heatlike.bench.trace import run_trace
+
+    path = str(mpi_tmp_path / f"{name}.json")
+    results = Results()
+    tracker = run_trace(path, results, name, steps=2, warmup=1)
+    assert len(tracker.steps) == 2
+    phases = set(tracker.summary()["phase_s"])
+    assert {"init", "fwd_pass", "comp_loss", "backprop", "opt_step"} <= phases
+    if name == "centralized-sgd":
+        assert "agg" in phases  # CentralizedSGD reports its aggregation itself
+    for step in tracker.steps:
+        assert sum(step["bytes"].values()) > 0
+    assert results.find("trace", "step time")
+    if comm.rank == 0:
+        with open(path) as f:
+            _check_trace(json.load(f), comm.size)
+
+
+# -- figures --------------------------------------------------------------------------------
+
+def _synthetic_results() -> Results:
+    r = Results()
+    algos = ["allreduce", "bf16", "topk-1%"]
+    for i, name in enumerate(algos):
+        r.add("algorithms", name, "digits step time", 10.0 + i, "ms")
+        r.add("algorithms", name, "large step time", 100.0 + 10 * i, "ms")
+        r.add("algorithms", name, "digits bytes per step", 68928 / (i + 1), "bytes")
+        r.add("algorithms", name, "large bytes per step", 7.4e6 / (i + 1), "bytes")
+        for task in ("digits", "synthetic"):
+            for epoch in (1, 2, 3):
+                suite = "algorithms" if task == "digits" else "tta"
+                r.add(suite, name, f"{task} epoch accuracy", 0.8 + 0.05 * epoch - 0.01 * i,
+                      "fraction", task=task, epoch=epoch)
+                r.add(suite, name, f"{task} epoch time", 1.5 * epoch, "s", task=task,
+                      epoch=epoch)
+            reached = i < 2
+            r.add("tta", name, f"{task} reached target", float(reached), "bool", task=task,
+                  target=0.9)
+            if reached:
+                r.add("tta", name, f"{task} time to accuracy", 3.0, "s", task=task, target=0.9)
+                r.add("tta", name, f"{task} epochs to accuracy", 2, "epochs", task=task,
+                      target=0.9)
+        for p in cm.RANKS:
+            r.add("costmodel", name, "model step time", 50 + p / 10, "ms", ranks=p,
+                  ranks_per_node=4)
+    for size in (4096, 65536, 1 << 20):
+        for variant in ("heatlike", "raw", "bf16"):
+            r.add("comm", f"allreduce {size}", f"{variant} bus bandwidth", size / 1e6, "GB/s",
+                  size_bytes=size)
+    r.add("comm", "p2p node-local", "bandwidth", 2.5, "GB/s", link="local")
+    r.add("costmodel", "links", "cross bandwidth", 1.0, "GB/s", source="given (--links)")
+    return r
+
+
+def test_plots_from_synthetic_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    from heatlike.bench.plot import main, plot_results
+
+    results = _synthetic_results()
+    made = plot_results(results, str(tmp_path / "all"))
+    expected = {"algorithms_step_time.png", "algorithms_bytes.png", "accuracy_vs_time.png",
+                "time_to_accuracy.png", "allreduce_bus_bandwidth.png", "costmodel.png"}
+    assert {os.path.basename(p) for p in made} == expected
+    for p in made:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 1000
+    # any subset of suites: only the figures its records allow
+    comm_only = Results([rec for rec in results.records if rec.suite == "comm"])
+    assert [os.path.basename(p) for p in plot_results(comm_only, str(tmp_path / "comm"))] == \
+        ["allreduce_bus_bandwidth.png"]
+    assert plot_results(Results(), str(tmp_path / "none")) == []
+    # re-plotting from a saved JSON
+    saved = tmp_path / "results.json"
+    comm_only.write_json(str(saved))
+    assert main([str(saved), str(tmp_path / "again")]) == 0
+    assert os.listdir(tmp_path / "again") == ["allreduce_bus_bandwidth.png"]
+
+
+def test_record_dataclass_order():
+    """FIELDS is the JSON schema: every Record field, in order."""
+    assert tuple(Record.__dataclass_fields__) == FIELDS
+
+
+def test_bench_cli_rejects_bad_arguments(capsys):
+    from heatlike.bench.__main__ import main
+
+    for argv in (["comm", "--links", "1:0"], ["algorithms", "--algorithms", "nope"],
+                 [], ["comm", "--trace-algorithm", "nope", "--trace", "x.json"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
