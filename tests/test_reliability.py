@@ -193,7 +193,7 @@ def test_settings_must_agree(comm):
     with pytest.raises(ValueError, match=rf"'b' .*differs between ranks \(rank 0: 'x', .*"
                                          rf"rank {last}: 'y'\)"):
         agree_on({"a": 1, "b": "y" if comm.rank == last else "x"}, comm)
-    with pytest.raises(ValueError, match="'bucket caps' of the gradient synchronization"):
+    with pytest.raises(ValueError, match="'bucket_cap_mb' of DataParallel"):
         DataParallel(nn.Linear(2, 2), comm, bucket_cap_mb=1.0 if comm.rank == last else 2.0)
     with pytest.raises(ValueError, match="'batch_size' of the DataLoader"):
         DataLoader(torch.zeros(16, 2), batch_size=2 + (comm.rank == last), comm=comm)

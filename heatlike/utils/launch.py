@@ -15,6 +15,7 @@ import runpy
 import socket
 import sys
 import threading
+import time
 import traceback
 from types import TracebackType
 
@@ -33,6 +34,9 @@ def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
     try:
         sys.stderr.write(header + text)
         sys.stderr.flush()
+        # the launcher forwards output asynchronously and stops forwarding once it kills the
+        # job: give it a moment to pass this message on
+        time.sleep(0.3)
     finally:
         comm.Abort(errorcode)
 
