@@ -224,13 +224,18 @@ def say(line: str = "") -> None:
     """Print a line on rank 0's stdout without breaking an active progress bar."""
     if not _rank0():
         return
-    if _PROGRESS:
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover
-            pass
-        else:
-            tqdm.write(line, file=sys.stdout)
-            sys.stdout.flush()
-            return
-    print(line, flush=True)
+    tqdm = _tqdm() if _PROGRESS else None
+    if tqdm is not None:
+        tqdm.write(line, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(line, flush=True)
+
+
+def _tqdm():
+    """tqdm's class, or None when tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm

@@ -169,6 +169,15 @@ def _mark(tracker, phase: str) -> None:
         tracker.record(phase)
 
 
+def _forward_loss(model, loss_fn, x, y, tracker):
+    """The forward pass and the loss, each marked on ``tracker``."""
+    out = model(x)
+    _mark(tracker, "fwd_pass")
+    loss = loss_fn(out, y)
+    _mark(tracker, "comp_loss")
+    return loss
+
+
 def _plain(opt, model, sync, **kw) -> Runner:
     loss_fn = nn.CrossEntropyLoss()
     reports = "tracker" in inspect.signature(opt.step).parameters
@@ -176,10 +185,7 @@ def _plain(opt, model, sync, **kw) -> Runner:
     def step(x, y, tracker=None):
         opt.zero_grad()
         _mark(tracker, "init")
-        out = model(x)
-        _mark(tracker, "fwd_pass")
-        loss = loss_fn(out, y)
-        _mark(tracker, "comp_loss")
+        loss = _forward_loss(model, loss_fn, x, y, tracker)
         loss.backward()
         _mark(tracker, "backprop")
         if reports and tracker is not None:
@@ -286,10 +292,7 @@ def _fp16(net, comm, lr):
     def step(x, y, tracker=None):
         opt.zero_grad()
         _mark(tracker, "init")
-        out = model(x.half()).float()
-        _mark(tracker, "fwd_pass")
-        loss = loss_fn(out, y)
-        _mark(tracker, "comp_loss")
+        loss = _forward_loss(lambda v: model(v.half()).float(), loss_fn, x, y, tracker)
         opt.backward_loss(loss)
         _mark(tracker, "backprop")
         opt.step(tracker=tracker)
@@ -308,10 +311,7 @@ def _distopt(mode: str, **options):
         loss_fn = nn.CrossEntropyLoss()
 
         def step(x, y, tracker=None):
-            out = net(x)
-            _mark(tracker, "fwd_pass")
-            loss = loss_fn(out, y)
-            _mark(tracker, "comp_loss")
+            loss = _forward_loss(net, loss_fn, x, y, tracker)
             backward(loss, **options)  # backward, communication and the update in one call
             _mark(tracker, "backprop")
             return loss.item()
@@ -337,10 +337,7 @@ def _daso(net, comm, lr, epochs: int = 10):
     def step(x, y, tracker=None):
         daso.zero_grad()
         _mark(tracker, "init")
-        out = model(x)
-        _mark(tracker, "fwd_pass")
-        loss = loss_fn(out, y)
-        _mark(tracker, "comp_loss")
+        loss = _forward_loss(model, loss_fn, x, y, tracker)
         loss.backward()
         _mark(tracker, "backprop")
         daso.step()

@@ -24,6 +24,7 @@ are forwarded to the underlying mpi4py communicator.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import weakref
@@ -238,8 +239,9 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
             data, from_recv = value, key == "recvbuf"
             break
     dtype, count = -1, -1
+    # an unreadable buffer leaves -1 (not compared): the call itself then raises the clear error
     if data is not None:
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             t, _ = as_tensor(data[0] if isinstance(data, (tuple, list)) else data, "buffer")
             dtype = _checks.dtype_code(t.dtype)
             if name in _SAME_COUNT and not isinstance(data, (tuple, list)):
@@ -248,8 +250,6 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
                     count //= self.size
                 if name == "Scatter" and not from_recv:
                     count //= self.size
-        except (TypeError, ValueError):
-            pass
     if name in ("Reduce_scatter", "Reduce_scatter_block") and a.get("sendbuf") is IN_PLACE:
         count = -1  # the receive buffer's size is the input size there, not the result's
     return (_checks.opcode(name), op.py2f() if isinstance(op, MPI.Op) else 0,

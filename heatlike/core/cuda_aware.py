@@ -15,6 +15,7 @@ says so the first time it happens.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -29,15 +30,12 @@ _cached: bool | None = None
 def _loaded_mpi_libraries() -> list[str]:
     """Paths of the shared libraries named libmpi* mapped into this process."""
     paths: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(" ", 1)[-1].strip()
-                name = os.path.basename(path)
-                if name.startswith("libmpi") and ".so" in name and path not in paths:
-                    paths.append(path)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:  # no /proc: none found
+        for line in f:
+            path = line.rsplit(" ", 1)[-1].strip()
+            name = os.path.basename(path)
+            if name.startswith("libmpi") and ".so" in name and path not in paths:
+                paths.append(path)
     return paths
 
 

@@ -213,10 +213,13 @@ class Threshold(_Feedback):
         _scatter_add(x, gathered)
 
 
-class RandomK(_Feedback):
-    """Send k entries at random indices. ``shared=True``: every rank draws the same indices from a
-    common seed, so only values travel and they are summed (linear); ``shared=False``: each rank
-    draws its own and sends (index, value) pairs."""
+class _RandomSubset(_Feedback):
+    """Send k entries of ``x + e`` chosen at random by :meth:`_select` (from a generator seeded
+    per bucket and step). ``shared=True``: every rank draws the same entries from a common seed,
+    so only values travel and they are summed (linear); ``shared=False``: each rank draws its own
+    and sends (index, value) pairs. One more value, the non-finite marker, always travels."""
+
+    kind = ""
 
     def __init__(self, k: int | None = None, ratio: float | None = None, shared: bool = True,
                  error_feedback: bool = True) -> None:
@@ -224,59 +227,51 @@ class RandomK(_Feedback):
         super().__init__(error_feedback)
         self.k, self.ratio, self.shared = k, ratio, shared
         self.linear = shared
-        self.name = f"randomk-{k if k is not None else ratio}{'' if shared else '-own'}"
+        self.name = f"{self.kind}-{k if k is not None else ratio}{'' if shared else '-own'}"
+
+    def _select(self, n: int, k: int, g: torch.Generator,
+                device: torch.device) -> torch.Tensor | slice:
+        raise NotImplementedError
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
         n = x.numel()
-        k = _count(n, self.k, self.ratio)
-        indices = torch.randperm(n, generator=ctx.generator(shared=self.shared))[:k]
-        indices = indices.to(x.device)
+        chosen = self._select(n, _count(n, self.k, self.ratio),
+                              ctx.generator(shared=self.shared), x.device)
         sent = torch.zeros_like(total)
-        sent[indices] = total[indices]
+        sent[chosen] = total[chosen]
         self._keep(ctx, total, sent)
-        values = torch.cat([total[indices], _poison(total).to(total.dtype)])
+        values = torch.cat([total[chosen], _poison(total).to(total.dtype)])
         if self.shared:
             yield Sum(values)
             x.zero_()
-            x[indices] = values[:-1]
+            x[chosen] = values[:-1]
             x.add_(values[-1])
         else:
+            indices = chosen if isinstance(chosen, torch.Tensor) else \
+                torch.arange(chosen.start, chosen.stop, device=x.device)
             gathered = yield Gather([indices.to(_index_dtype(n)), values[:-1], values[-1:]])
             _scatter_add(x, gathered)
 
 
-class RandomBlock(_Feedback):
+class RandomK(_RandomSubset):
+    """Send k entries at random indices (see :class:`_RandomSubset` for ``shared``)."""
+
+    kind = "randomk"
+
+    def _select(self, n, k, g, device):
+        return torch.randperm(n, generator=g)[:k].to(device)
+
+
+class RandomBlock(_RandomSubset):
     """Send a block of k consecutive entries starting at a random offset (shared between ranks
     by default, then only values travel and are summed)."""
 
-    def __init__(self, k: int | None = None, ratio: float | None = None, shared: bool = True,
-                 error_feedback: bool = True) -> None:
-        _check_k(k, ratio)
-        super().__init__(error_feedback)
-        self.k, self.ratio, self.shared = k, ratio, shared
-        self.linear = shared
-        self.name = f"randomblock-{k if k is not None else ratio}{'' if shared else '-own'}"
+    kind = "randomblock"
 
-    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
-        total = self._with_residual(x, ctx)
-        n = x.numel()
-        k = _count(n, self.k, self.ratio)
-        g = ctx.generator(shared=self.shared)
+    def _select(self, n, k, g, device):
         start = int(torch.randint(0, n - k + 1, (1,), generator=g)) if n else 0
-        sent = torch.zeros_like(total)
-        sent[start:start + k] = total[start:start + k]
-        self._keep(ctx, total, sent)
-        block = torch.cat([total[start:start + k], _poison(total).to(total.dtype)])
-        if self.shared:
-            yield Sum(block)
-            x.zero_()
-            x[start:start + k] = block[:-1]
-            x.add_(block[-1])
-        else:
-            indices = torch.arange(start, start + k, device=x.device).to(_index_dtype(n))
-            gathered = yield Gather([indices, block[:-1], block[-1:]])
-            _scatter_add(x, gathered)
+        return slice(start, start + k)
 
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)

@@ -38,14 +38,22 @@ __all__ = ["GenericCentralizedOptimizer", "CentralizedSGD", "CentralizedAdam",
            "CustomCentralizedOptimizer", "resolve_world_size"]
 
 
+def world_size_error(world_size: int | None, comm: MPICommunication) -> ValueError | None:
+    """mlbench passed the world size explicitly; here it must match the communicator (None: it
+    does, or was left out)."""
+    if world_size is None or (isinstance(world_size, int) and not isinstance(world_size, bool)
+                              and world_size == comm.size):
+        return None
+    return ValueError(f"world_size={world_size!r} does not match the communicator's "
+                      f"{comm.size} ranks (leave it out to use the communicator's)")
+
+
 def resolve_world_size(world_size: int | None, comm: MPICommunication) -> int:
-    """mlbench passed the world size explicitly; here it must match the communicator."""
-    if world_size is None:
-        return comm.size
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size != comm.size:
-        raise ValueError(f"world_size={world_size!r} does not match the communicator's "
-                         f"{comm.size} ranks (leave it out to use the communicator's)")
-    return world_size
+    """The communicator's size; ValueError when ``world_size`` is given and differs."""
+    error = world_size_error(world_size, comm)
+    if error is not None:
+        raise error
+    return comm.size
 
 
 def _check_lr(lr) -> Exception | None:
@@ -69,11 +77,8 @@ class GenericCentralizedOptimizer:
                  bucket_cap_mb: float = 25.0, check_finite: bool = False, _op: str = "avg",
                  _hooks: bool = True) -> None:
         comm = sanitize_comm(comm)
-        error = None
-        try:
-            world_size = resolve_world_size(world_size, comm)
-        except ValueError as e:
-            error = e
+        error = world_size_error(world_size, comm)
+        world_size = comm.size
         if error is None and not isinstance(model, torch.nn.Module):
             error = TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if error is None:

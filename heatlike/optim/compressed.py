@@ -29,7 +29,7 @@ from ..engine import codecs
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
-from .centralized import GenericCentralizedOptimizer, _check_lr, resolve_world_size
+from .centralized import GenericCentralizedOptimizer, _check_lr, world_size_error
 
 __all__ = ["PowerSGD", "CentralizedSparsifiedSGD", "SparsifiedSGD", "SignSGD"]
 
@@ -69,11 +69,7 @@ class _UpdateSync(torch.optim.Optimizer):
     def __init__(self, params, defaults: dict, comm: MPICommunication | None,
                  world_size: int | None, codec: codecs.Codec, op: str) -> None:
         comm = sanitize_comm(comm)
-        error = _check_lr(defaults.get("lr", required))
-        try:
-            resolve_world_size(world_size, comm)
-        except ValueError as e:
-            error = error or e
+        error = _check_lr(defaults.get("lr", required)) or world_size_error(world_size, comm)
         raise_together(error, comm)
         super().__init__(params, defaults)
         self.comm = comm
@@ -83,6 +79,17 @@ class _UpdateSync(torch.optim.Optimizer):
         self.sync = GradientSync(plist, comm, 1e-6, 1e-6, codec=codec,
                                  reducer=AllReduce(comm, op=op), hooks=False,
                                  grad_as_bucket_view=False)
+
+    def _exchange_and_apply_sgd_updates(self) -> None:
+        """``p -= combine_r(lr (g_r + wd p))`` for every parameter with a gradient, the update
+        going through the codec (with its memory) and the reducer."""
+        updates = {p: (p.grad + group["weight_decay"] * p).mul_(group["lr"])
+                   for group in self.param_groups for p in group["params"] if p.grad is not None}
+        self._exchange_updates(updates)
+        for p in self.sync.params:
+            if p.grad is not None:
+                p.sub_(p.grad)
+        self._restore_grads()
 
     def _exchange_updates(self, updates: dict) -> None:
         """Exchange the updates (param -> tensor) through the engine; afterwards each
@@ -136,16 +143,7 @@ class CentralizedSparsifiedSGD(_UpdateSync):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        updates = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    updates[p] = (p.grad + group["weight_decay"] * p).mul_(group["lr"])
-        self._exchange_updates(updates)
-        for p in self.sync.params:
-            if p.grad is not None:
-                p.sub_(p.grad)
-        self._restore_grads()
+        self._exchange_and_apply_sgd_updates()
         return loss
 
 
@@ -183,16 +181,7 @@ class SparsifiedSGD(_UpdateSync):
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        updates = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    updates[p] = (p.grad + group["weight_decay"] * p).mul_(group["lr"])
-        self._exchange_updates(updates)
-        for p in self.sync.params:
-            if p.grad is not None:
-                p.sub_(p.grad)
-        self._restore_grads()
+        self._exchange_and_apply_sgd_updates()
         self.update_estimated_weights(self.iteration, self.sparse_grad_size)
         self.iteration += 1
         return loss

@@ -28,7 +28,7 @@ from ..core.topology import get_topology
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce, Hierarchical
 from ..engine.replicas import broadcast_module
-from .centralized import resolve_world_size
+from .centralized import world_size_error
 
 __all__ = ["FP16Optimizer"]
 
@@ -44,11 +44,8 @@ class FP16Optimizer:
                  average_world: bool = False, average_custom: bool = False,
                  divide_before: bool = False, *, comm: MPICommunication | None = None) -> None:
         comm = sanitize_comm(comm)
-        error = None
-        try:
-            world_size = resolve_world_size(world_size, comm)
-        except ValueError as e:
-            error = e
+        error = world_size_error(world_size, comm)
+        world_size = comm.size
         if error is None and not isinstance(fp16_model, torch.nn.Module):
             error = TypeError(f"fp16_model must be a torch.nn.Module, got "
                               f"{type(fp16_model).__name__}")

@@ -29,9 +29,34 @@ import torch
 __all__ = ["RMSProp", "AdaGrad"]
 
 
-class RMSProp(torch.optim.Optimizer):
+class _EpsilonInsideSqrt(torch.optim.Optimizer):
+    """``p <- p - lr g / sqrt(acc + epsilon)`` with ``acc`` updated by :meth:`_accumulate` and
+    ``g`` including ``weight_decay * p`` (SINGA's placement of epsilon)."""
+
+    state_name = ""
+
+    def _accumulate(self, acc: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad + group["weight_decay"] * p if group["weight_decay"] else p.grad
+                acc = self.state[p].setdefault(self.state_name, torch.zeros_like(p))
+                self._accumulate(acc, g, group)
+                p.addcdiv_(g, (acc + group["epsilon"]).sqrt(), value=-group["lr"])
+        return loss
+
+
+class RMSProp(_EpsilonInsideSqrt):
     """``s <- rho s + (1 - rho) g^2;  p <- p - lr g / sqrt(s + epsilon)`` (g includes
     ``weight_decay * p``)."""
+
+    state_name = "running_average"
 
     def __init__(self, params, lr: float = 0.1, rho: float = 0.9, epsilon: float = 1e-8,
                  weight_decay: float = 0) -> None:
@@ -40,22 +65,14 @@ class RMSProp(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "rho": rho, "epsilon": epsilon,
                                   "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad + group["weight_decay"] * p if group["weight_decay"] else p.grad
-                s = self.state[p].setdefault("running_average", torch.zeros_like(p))
-                s.mul_(group["rho"]).addcmul_(g, g, value=1 - group["rho"])
-                p.addcdiv_(g, (s + group["epsilon"]).sqrt(), value=-group["lr"])
-        return loss
+    def _accumulate(self, acc, g, group):
+        acc.mul_(group["rho"]).addcmul_(g, g, value=1 - group["rho"])
 
 
-class AdaGrad(torch.optim.Optimizer):
+class AdaGrad(_EpsilonInsideSqrt):
     """``h <- h + g^2;  p <- p - lr g / sqrt(h + epsilon)`` (g includes ``weight_decay * p``)."""
+
+    state_name = "history"
 
     def __init__(self, params, lr: float = 0.1, epsilon: float = 1e-8,
                  weight_decay: float = 0) -> None:
@@ -63,15 +80,5 @@ class AdaGrad(torch.optim.Optimizer):
             raise ValueError("need lr >= 0, epsilon >= 0, weight_decay >= 0")
         super().__init__(params, {"lr": lr, "epsilon": epsilon, "weight_decay": weight_decay})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad + group["weight_decay"] * p if group["weight_decay"] else p.grad
-                h = self.state[p].setdefault("history", torch.zeros_like(p))
-                h.addcmul_(g, g)
-                p.addcdiv_(g, (h + group["epsilon"]).sqrt(), value=-group["lr"])
-        return loss
+    def _accumulate(self, acc, g, group):
+        acc.addcmul_(g, g)

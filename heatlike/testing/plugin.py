@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import os
@@ -80,11 +81,10 @@ def _watchdog() -> None:
         _report.flush()
         state_dir = os.environ.get("HEATLIKE_TEST_STATE_DIR")
         if state_dir:
-            try:
-                with open(os.path.join(state_dir, f"hung-rank{rank}.txt"), "w") as f:
-                    f.write(nodeid or "")
-            except OSError:
-                pass
+            # best effort: the runner still reports the hang without the test's name
+            with contextlib.suppress(OSError), open(
+                    os.path.join(state_dir, f"hung-rank{rank}.txt"), "w") as f:
+                f.write(nodeid or "")
         _world().Abort(124)
         os._exit(124)
 
