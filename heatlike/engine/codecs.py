@@ -255,7 +255,9 @@ class _RandomSubset(_Feedback):
 
 
 class RandomK(_RandomSubset):
-    """Send k entries at random indices (see :class:`_RandomSubset` for ``shared``)."""
+    """Send k entries at random indices. ``shared=True``: every rank draws the same indices from
+    a common seed, so only values travel and they are summed (linear); ``shared=False``: each
+    rank draws its own and sends (index, value) pairs."""
 
     kind = "randomk"
 
