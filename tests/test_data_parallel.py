@@ -216,7 +216,12 @@ def test_second_backward_without_step_is_an_error_in_nonblocking_mode(comm):
     _loss(model(x, y), y).backward()
     with pytest.raises(RuntimeError, match="no_sync"):
         _loss(model(x, y), y).backward()
-    dp_opt.step()  # the first backward's reduction is still consumed normally
+    # the second backward accumulated into a gradient whose average was in flight: step() says
+    # so instead of applying a corrupted or outdated average; synchronize() recovers
+    with pytest.raises(RuntimeError, match="changed between backward"):
+        dp_opt.step()
+    dp_opt.synchronize()
+    dp_opt.step()
     model.flush()
     _same_on_all_ranks(comm, local)
 

@@ -112,6 +112,13 @@ class GradientSync:
         self.names = list(names) if names is not None else \
             [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
+        # what the user may change while a bucket is in flight, to detect it (changed_in_flight):
+        # the version counter of each launched bucket's buffer after the engine last touched it,
+        # and each gradient that was copied into a bucket (not a bucket view) with its version at
+        # the end of the backward pass
+        self._versions: dict[int, int] = {}
+        self._handed: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._tampered: set[int] = set()
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
         self.active = False
@@ -162,6 +169,8 @@ class GradientSync:
         self._requests.clear()
         self._reduced.clear()
         self._consumed.clear()
+        self._handed.clear()
+        self._tampered.clear()
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -192,6 +201,7 @@ class GradientSync:
         else:
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
+                self._handed[(b, i)] = (grad, -1)
             bucket.flags[i] = 1
         self._marked[b][i] = True
         self._ready[b] += 1
@@ -201,6 +211,7 @@ class GradientSync:
                 self._ready[self._next] == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
             self._requests[bucket.index] = self._exchange(bucket)
+            self._versions[bucket.index] = bucket.buffer._version
             self._next += 1
 
     def _exchange(self, bucket: Bucket) -> Request:
@@ -227,8 +238,43 @@ class GradientSync:
         return self.reducer.bytes_sent
 
     def _progress(self) -> None:
-        for request in self._requests.values():
-            request.Test()
+        for b, request in self._requests.items():
+            if not request.done:
+                self._engine_touches(b, request.Test)
+
+    def _engine_touches(self, b: int, operation: Callable[[], object]) -> None:
+        """Run ``operation`` (a step of bucket ``b``'s exchange, which may write its buffer),
+        noting first whether anything else wrote the buffer since the engine last did."""
+        buffer = self.buckets[b].buffer
+        if buffer._version != self._versions.get(b, buffer._version):
+            self._tampered.add(b)
+        operation()
+        self._versions[b] = buffer._version
+
+    def changed_in_flight(self) -> list[str]:
+        """Names of the parameters whose gradient was changed in place or replaced after it was
+        handed to an exchange that has not been written back to ``.grad`` yet (the change would be
+        lost or would corrupt the average). Empty outside that window."""
+        if not self.active:
+            return []
+        changed = set()
+        for b in range(len(self.buckets)):
+            if b in self._consumed or b not in self._requests:
+                continue
+            bucket = self.buckets[b]
+            if b not in self._reduced and (b in self._tampered or
+                                           bucket.buffer._version != self._versions[b]):
+                changed.update(self._index[id(p)] for p in bucket.params if p.grad is not None)
+            for i, (p, view) in enumerate(zip(bucket.params, bucket.views)):
+                handed = self._handed.get((b, i))
+                grad = p.grad
+                if handed is not None:
+                    if grad is not handed[0] or grad._version != handed[1]:
+                        changed.add(self._index[id(p)])
+                elif grad is not None and grad.data_ptr() != view.data_ptr() and \
+                        bucket.flags[i] > 0:
+                    changed.add(self._index[id(p)])
+        return [self.names[i] for i in sorted(changed)]
 
     def _backward_done(self) -> None:
         self.launch_all()
@@ -245,6 +291,10 @@ class GradientSync:
                     self._mark(b, i, p.grad)
         self._launch_ready()
         self.unsynced = False
+        # the backward pass is over: from here on only the user changes these gradients (taken
+        # now, as gradients that are views of one buffer share one version counter)
+        for key, (grad, _) in self._handed.items():
+            self._handed[key] = (grad, grad._version)
 
     def mark_unused(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Report ``params`` as getting no gradient in the coming backward pass (found by walking
@@ -281,8 +331,9 @@ class GradientSync:
             waiting = self.tracker.span(f"bucket {b}", "comm wait") \
                 if self.tracker is not None else contextlib.nullcontext()
             with waiting:
-                _checks.wait(request, lambda: f"the exchange of gradient bucket {b}",
-                             request._board, request._seq, watch=self._board.check)
+                self._engine_touches(b, lambda: _checks.wait(
+                    request, lambda: f"the exchange of gradient bucket {b}", request._board,
+                    request._seq, watch=self._board.check))
         self._reduced.add(b)
 
     def unpack(self, b: int) -> list[torch.nn.Parameter]:
@@ -306,6 +357,8 @@ class GradientSync:
                         p.grad = torch.empty_like(p)
                     p.grad.copy_(view)
                 used.append(p)
+        for i in range(len(bucket.params)):
+            self._handed.pop((b, i), None)
         self._consumed.add(b)
         if len(self._consumed) == len(self.buckets):
             self.active = False
@@ -366,8 +419,9 @@ class GradientSync:
             raise ValueError(f"the saved bucket plan covers {len(order)} parameters, this "
                              f"model has {len(self.params)} trainable parameters")
         params = [self.params[i] for i in order]
+        # parameters compare by identity: == on tensors compares their values
         if [len(b.params) for b in self.buckets] != sizes or \
-                [p for b in self.buckets for p in b.params] != params:
+                [id(p) for b in self.buckets for p in b.params] != [id(p) for p in params]:
             self._plan(params, sizes)
         self._cycles = int(state["cycles"])
         self._arrival = list(state["arrival"])

@@ -17,6 +17,22 @@ the torch optimizer once per bucket with the other parameters' gradients hidden,
 for optimizers whose update is per parameter (SGD, Adam, AdamW, RMSprop, Adagrad, ...); use
 ``blocking=True`` for optimizers that couple parameters (LBFGS, global-norm based ones).
 ``zero_grad()`` while updates are pending is applied right after each bucket's update.
+
+The wrapper is a ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`):
+its ``param_groups``, ``state`` and ``defaults`` are the torch optimizer's, so LR schedulers,
+optimizer hooks and ``state_dict`` work as with the torch optimizer itself. Torch idioms that
+touch gradients between ``backward()`` and ``step()``:
+
+* blocking mode is DDP's: the averages are in ``.grad`` when ``backward()`` returns, so
+  ``clip_grad_norm_``, ``GradScaler`` (``scaler.step(opt)``, ``scaler.unscale_(opt)``) and
+  gradient inspection see exactly what they see under DDP;
+* non-blocking mode: reading ``param_groups`` while the gradients are still being averaged
+  (``GradScaler.unscale_`` and ``scaler.step`` do) first completes the averaging, and the next
+  :meth:`step` then applies the update at once, so the AMP recipe needs no change;
+  :meth:`synchronize` does the same explicitly (call it before ``clip_grad_norm_`` or anything
+  else that reads or changes ``.grad``). A gradient changed in place or replaced while its
+  average was still in flight (``clip_grad_norm_`` without :meth:`synchronize`) makes
+  :meth:`step` raise ``RuntimeError`` instead of silently dropping the change.
 """
 
 from __future__ import annotations
@@ -27,13 +43,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .wrapping import WrappedOptimizer
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.data_parallel import DataParallel
 
 __all__ = ["DataParallelOptimizer"]
 
 
-class DataParallelOptimizer:
+class DataParallelOptimizer(WrappedOptimizer):
     """Wrap ``torch_optimizer`` for data-parallel training with :class:`heatlike.nn.DataParallel`.
 
     Pass it as ``DataParallel(module, optimizer=dp_optimizer)``; the module's trainable parameters
@@ -44,12 +62,20 @@ class DataParallelOptimizer:
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"torch_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(torch_optimizer).__name__}")
-        self.torch_optimizer = torch_optimizer
+        if isinstance(torch_optimizer, WrappedOptimizer):
+            raise TypeError(f"torch_optimizer must be a local torch optimizer, got heatlike's "
+                            f"{type(torch_optimizer).__name__}, which synchronizes on its own")
+        self._wrap(torch_optimizer)
         self.blocking = bool(blocking)
         self._model: DataParallel | None = None
         self._pending: list[int] = []  # buckets stepped by step() but not yet applied
         self._hyperparams: list[dict] | None = None
         self._zero_request: bool | None = None  # set_to_none of a deferred zero_grad
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The local torch optimizer (Heat's name; also ``self.optimizer``)."""
+        return self.optimizer
 
     # Heat's attribute names
     @property
@@ -63,15 +89,25 @@ class DataParallelOptimizer:
 
     @property
     def params_ref(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.torch_optimizer.param_groups for p in g["params"]]
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.torch_optimizer.param_groups
+        """The torch optimizer's groups; in non-blocking mode, reading them between ``backward()``
+        and :meth:`step` first completes the gradient averaging (see the module docstring)."""
+        if self._in_flight():
+            self.synchronize()
+        return self.optimizer.param_groups
 
-    @property
-    def state(self):
-        return self.torch_optimizer.state
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._model is not None:
+            raise RuntimeError("DataParallel synchronizes the parameters it was built with: add "
+                               "parameter groups to the optimizer before wrapping the module")
+        self.optimizer.add_param_group(param_group)
 
     def _attach(self, model: DataParallel) -> None:
         self._model = model
@@ -82,23 +118,47 @@ class DataParallelOptimizer:
                                "heatlike.nn.DataParallel(module, optimizer=this_optimizer)")
         return self._model
 
+    def _in_flight(self) -> bool:
+        """Non-blocking mode, between backward() and step(): averages still being computed."""
+        model = self.__dict__.get("_model")
+        return model is not None and not self.blocking and not self._pending and \
+            bool(model.grad_sync.pending())
+
+    def synchronize(self) -> None:
+        """Complete the gradient averaging of the last ``backward()`` now: ``.grad`` then holds
+        the averages, and the next :meth:`step` applies the update at once (non-blocking mode;
+        in blocking mode the averages are already there)."""
+        sync = self._require_model().grad_sync
+        if not self.blocking and not self._pending:
+            sync.synchronize()
+
     # -- stepping ------------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """Update the parameters with the averaged gradients (blocking), or schedule the update
-        for the next forward pass (non-blocking)."""
+        """Update the parameters with the averaged gradients (blocking, or after
+        :meth:`synchronize`), or schedule the update for the next forward pass (non-blocking)."""
         sync = self._require_model().grad_sync
         if closure is not None and not self.blocking:
             raise ValueError("step(closure) needs blocking=True: a deferred update cannot "
                              "re-evaluate the model")
         self.flush()
+        changed = sync.changed_in_flight()
+        if changed:
+            raise RuntimeError(
+                f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were "
+                "changed between backward() and step() while their average was still being "
+                "computed (non-blocking DataParallelOptimizer), e.g. by clip_grad_norm_: call "
+                "optimizer.synchronize() before touching .grad, or use blocking=True")
         sync.participate()
         if self.blocking:
             sync.synchronize()
-            return self.torch_optimizer.step(closure)
-        self._pending = sync.pending()
+            return self.optimizer.step(closure)
+        pending = sync.pending()
+        if not pending:  # averaged already (synchronize(), GradScaler): nothing to overlap
+            return self.optimizer.step()
+        self._pending = pending
         self._hyperparams = [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.torch_optimizer.param_groups]
+                             for g in self.optimizer.param_groups]
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -106,7 +166,7 @@ class DataParallelOptimizer:
         if self._pending:
             self._zero_request = set_to_none
         else:
-            self.torch_optimizer.zero_grad(set_to_none=set_to_none)
+            self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def flush(self) -> None:
         """Apply every pending deferred update now."""
@@ -133,27 +193,27 @@ class DataParallelOptimizer:
                 elif p.grad is not None:
                     p.grad.zero_()
             if not self._pending:
-                self.torch_optimizer.zero_grad(set_to_none=self._zero_request)
+                self.optimizer.zero_grad(set_to_none=self._zero_request)
                 self._zero_request = None
 
     def _step_only(self, params: Sequence[torch.nn.Parameter]) -> None:
         """One torch ``step()`` that updates only ``params`` (the others' gradients hidden)."""
         keep = {id(p) for p in params}
         hidden = []
-        for group in self.torch_optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None and id(p) not in keep:
                     hidden.append((p, p.grad))
                     p.grad = None
         try:
-            self.torch_optimizer.step()
+            self.optimizer.step()
         finally:
             for p, grad in hidden:
                 p.grad = grad
 
     @contextlib.contextmanager
     def _hyperparameters_of_step(self) -> Iterator[None]:
-        groups = self.torch_optimizer.param_groups
+        groups = self.optimizer.param_groups
         if self._hyperparams is None or len(self._hyperparams) != len(groups):
             yield
             return
@@ -169,12 +229,13 @@ class DataParallelOptimizer:
     # -- state ---------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """The torch optimizer's state dict, every pending update applied first."""
         self.flush()
-        return self.torch_optimizer.state_dict()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.flush()
-        self.torch_optimizer.load_state_dict(state_dict)
+        super().load_state_dict(state_dict)
 
     def __repr__(self) -> str:
         mode = "blocking" if self.blocking else "non-blocking"

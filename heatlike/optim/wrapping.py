@@ -1,0 +1,258 @@
+"""WrappedOptimizer: the ``torch.optim.Optimizer`` face of every heatlike optimizer.
+
+A heatlike optimizer drives a local torch optimizer (the one that computes the update) and the
+engine (which moves gradients or weights between ranks). To torch it must look like any other
+optimizer, so that LR schedulers, ``torch.amp.GradScaler``, ``clip_grad_norm_`` recipes,
+optimizer hooks and checkpoint code work unchanged. :class:`WrappedOptimizer` is that face:
+
+* ``isinstance(opt, torch.optim.Optimizer)`` holds;
+* ``param_groups``, ``state`` and ``defaults`` *are* the local optimizer's (the same objects, not
+  copies), so a scheduler that sets ``group["lr"]`` changes the learning rate the local optimizer
+  uses, and ``add_param_group`` adds to it;
+* ``state_dict()`` has torch's format (``"state"``, ``"param_groups"``) with the engine's state
+  under the extra key ``"engine"``; ``load_state_dict`` accepts it, and accepts a plain torch
+  state dict too (the engine's state is then left as it is);
+* step pre/post hooks and state-dict hooks registered on the wrapper run as on any optimizer.
+
+Subclasses call :meth:`_wrap` (instead of ``torch.optim.Optimizer.__init__``) once, with the local
+optimizer or None when it comes later (``self.optimizer = ...`` then wraps it), override
+:meth:`step` (without calling ``super().step()``: torch runs the step hooks around every class's
+``step``), and, when they hold engine state, :meth:`_engine_state` and :meth:`_load_engine_state`.
+
+Helpers shared with the optimizers that are torch optimizers themselves:
+
+* :func:`synchronized_check`: which parameters of an optimizer the engine does not synchronize
+  (a parameter trained with its local gradient would silently diverge between ranks);
+* :func:`amp_skip`: ``torch.amp.GradScaler``'s protocol for optimizers that set
+  ``_step_supports_amp_scaling`` (their gradients are still per-rank when the scaler looks at them,
+  so the skip decision is agreed on by all ranks inside ``step``);
+* :func:`track`: the mlbench tracker protocol.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["WrappedOptimizer", "materialized_group", "synchronized_check",
+           "unsynchronized_grads", "amp_skip", "track"]
+
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Base of heatlike's optimizers: a ``torch.optim.Optimizer`` whose parameter groups, state and
+    defaults are those of the local optimizer ``self.optimizer`` (see the module docstring)."""
+
+    def _wrap(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Become a torch optimizer (call once, from ``__init__``), the face of ``optimizer``
+        (or of the one later assigned to ``self.optimizer``)."""
+        for name in _HOOK_DICTS:
+            if name not in self.__dict__:
+                self.__dict__[name] = OrderedDict()
+        self._patch_step_function()
+        self.__dict__.setdefault("_local_optimizer", None)
+        if optimizer is not None:
+            self._set_local(optimizer)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The local torch optimizer (None until it is set)."""
+        return self.__dict__.get("_local_optimizer")
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if "_optimizer_step_pre_hooks" not in self.__dict__:
+            self._wrap()
+        self._set_local(optimizer)
+
+    def _set_local(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"the local optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, WrappedOptimizer):
+            raise TypeError(f"the local optimizer must be a plain torch optimizer, got "
+                            f"heatlike's {type(optimizer).__name__}, which synchronizes itself")
+        self.__dict__["_local_optimizer"] = optimizer
+
+    def _local(self) -> torch.optim.Optimizer:
+        local = self.__dict__.get("_local_optimizer")
+        if local is None:
+            raise RuntimeError(f"{type(self).__name__} has no local optimizer yet")
+        return local
+
+    # the local optimizer's own objects (data descriptors: torch's code that assigns them, e.g.
+    # Optimizer.__setstate__, goes to the local optimizer too)
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._local().param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._local().param_groups = value
+
+    @property
+    def state(self):
+        return self._local().state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._local().state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self._local().defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._local().defaults = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the local optimizer (subclasses refuse parameters their engine does not
+        synchronize)."""
+        self._local().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._local().zero_grad(set_to_none=set_to_none)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _engine_state(self) -> dict | None:
+        """What the engine needs to resume exactly (None: nothing)."""
+        return None
+
+    def _load_engine_state(self, state: dict) -> None:
+        """Restore :meth:`_engine_state`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer state dict of the local optimizer, plus ``"engine"``."""
+        state = super().state_dict()
+        engine = self._engine_state()
+        if engine is not None:
+            state["engine"] = engine
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` (or a plain torch optimizer state dict)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        state_dict = dict(state_dict)
+        engine = state_dict.pop("engine", None)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._local().load_state_dict(state_dict)
+        if engine is not None:
+            self._load_engine_state(engine)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+
+def _params_of(groups: Iterable[dict]) -> list[torch.Tensor]:
+    return [p for g in groups for p in g["params"]]
+
+
+def materialized_group(param_group: dict) -> dict:
+    """``param_group`` with its parameters as a list (torch accepts a tensor or an iterable)."""
+    if not isinstance(param_group, dict):
+        raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+    group = dict(param_group)
+    params = group.get("params", [])
+    if isinstance(params, torch.Tensor):
+        group["params"] = [params]
+    elif isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                        "not sets")
+    else:
+        group["params"] = list(params)
+    return group
+
+
+def synchronized_check(params: Iterable[torch.Tensor], synchronized: Iterable[torch.Tensor],
+                       who: str) -> tuple[Exception | None, list[torch.Tensor]]:
+    """Split ``params`` (an optimizer's) into those the engine synchronizes and the rest.
+
+    Returns ``(error, frozen)``: ``error`` is a ValueError naming the trainable parameters
+    (``requires_grad``) the engine does not synchronize (None if there are none); ``frozen`` are
+    the unsynchronized ones that do not require gradients, which the caller watches in ``step()``
+    (:func:`unsynchronized_grads`)."""
+    known = {id(p) for p in synchronized}
+    missing = [p for p in params if id(p) not in known]
+    trainable = [p for p in missing if p.requires_grad]
+    if trainable:
+        shapes = ", ".join(str(tuple(p.shape)) for p in trainable[:3])
+        return ValueError(
+            f"{who} synchronizes the parameters it was built with; {len(trainable)} parameter(s) "
+            f"of shapes {shapes}{' ...' if len(trainable) > 3 else ''} are not among them and "
+            "would be trained with each rank's own gradient. Build the optimizer with every "
+            "parameter to train (a group with lr=0 keeps one still until later)"), []
+    return None, missing
+
+
+def unsynchronized_grads(frozen: list[torch.Tensor], who: str) -> None:
+    """RuntimeError when a parameter that was frozen when the engine was built (so is not
+    synchronized) has a gradient now."""
+    for p in frozen:
+        if p.grad is not None:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} did not require gradients when {who} was "
+                "built, so it is not synchronized, but it has a gradient now: build the "
+                "optimizer after unfreezing it")
+
+
+def amp_skip(opt: torch.optim.Optimizer, comm, params: Iterable[torch.Tensor] | None = None,
+             agree: bool = True) -> bool:
+    """``torch.amp.GradScaler``'s protocol for an optimizer with ``_step_supports_amp_scaling``:
+    call first thing in ``step()``; True means skip the step.
+
+    The scaler sets ``opt.found_inf`` (from this rank's gradients) and ``opt.grad_scale`` (None
+    when ``scaler.unscale_(opt)`` already ran) and calls ``step()`` on every rank whatever it
+    found. When ``agree``, the ranks combine their ``found_inf`` (collective, only when a scaler
+    drives the step), so every rank skips if any rank's gradients are not finite; otherwise the
+    gradients of ``params`` are divided by ``grad_scale``. Without a scaler: False, nothing
+    sent."""
+    found_inf = opt.__dict__.get("found_inf")
+    grad_scale = opt.__dict__.get("grad_scale")
+    if found_inf is None and grad_scale is None:
+        return False
+    local = bool(found_inf) if found_inf is not None else False
+    if agree and comm.size > 1:
+        from mpi4py import MPI
+
+        local = bool(comm.handle.allreduce(int(local), op=MPI.MAX))
+    if local:
+        return True
+    if grad_scale is not None:
+        inverse = torch.as_tensor(grad_scale).double().reciprocal().float()
+        for p in params if params is not None else _params_of(opt.param_groups):
+            if p.grad is not None:
+                p.grad.mul_(inverse.to(p.grad.device))
+    return False
+
+
+def track(tracker, phase: str, nbytes: int | None = None, label: str = "world") -> None:
+    """Report a finished phase (``"agg"`` or ``"opt_step"``) to an mlbench-style ``tracker``:
+    ``tracker.record_batch_<phase>()``; before it, ``tracker.add_bytes(nbytes, label)`` when the
+    tracker has that method (heatlike's :class:`~heatlike.utils.Tracker` does, mlbench's not)."""
+    if tracker is None:
+        return
+    if nbytes is not None:
+        add_bytes = getattr(tracker, "add_bytes", None)
+        if add_bytes is not None:
+            add_bytes(nbytes, label)
+    getattr(tracker, f"record_batch_{phase}")()
