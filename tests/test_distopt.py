@@ -166,7 +166,7 @@ def test_partial_update_cycles_through_partitions(comm):
         elif comm.size > 1:
             assert not same
     assert parts == 4  # 3 | 40x3 | 40 | 40x6 elements, in backward order, groups <= 100
-    assert dist.state_dict()["partial"] == 8 % parts
+    assert dist.state_dict()["engine"]["partial"] == 8 % parts
 
 
 def test_low_level_fused_and_half(comm):

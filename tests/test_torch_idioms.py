@@ -241,3 +241,32 @@ def test_the_wrapper_raises_without_a_model():
     with pytest.raises(RuntimeError, match="not attached"):
         opt.step()
     assert hl.MPI_WORLD is not None
+
+
+@pytest.mark.mpi
+def test_daso_and_distopt_are_torch_optimizers_that_lr_schedulers_drive(comm):
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO, DistOpt
+
+    net = _net()
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=LR), total_epochs=4, comm=comm,
+                warmup_epochs=1, cooldown_epochs=1)
+    model = DataParallelMultiGPU(net, daso)
+    daso.last_batch = 4
+    dist = DistOpt(torch.optim.SGD(_net().parameters(), lr=LR), comm)
+    for opt in (daso, dist):
+        assert isinstance(opt, torch.optim.Optimizer)
+        sched = _schedule(opt)
+        for step in range(2):
+            opt.zero_grad()
+            x, y = _data(step, comm.rank)
+            if opt is daso:
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            sched.step()
+        assert opt.param_groups[0]["lr"] == LR / 2
+        state = opt.state_dict()
+        assert {"state", "param_groups", "engine"} <= set(state)
+        opt.param_groups[0]["lr"] = 1.0
+        opt.load_state_dict(state)
+        assert opt.param_groups[0]["lr"] == LR / 2

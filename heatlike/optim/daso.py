@@ -56,6 +56,7 @@ from ..engine.codecs import Cast
 from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
+from .wrapping import WrappedOptimizer
 
 __all__ = ["DASO", "PlateauDetector"]
 
@@ -115,12 +116,14 @@ class _Sync:
     ready_at: float = 0.0
 
 
-class DASO:
+class DASO(WrappedOptimizer):
     """DASO optimizer wrapper (Heat's signature; see the module docstring for the algorithm).
 
     Use with :class:`heatlike.nn.DataParallelMultiGPU`, set ``last_batch`` to the number of
     batches per epoch, call :meth:`step` after every backward and :meth:`epoch_loss_logic` after
-    every epoch.
+    every epoch. A ``torch.optim.Optimizer`` whose ``param_groups``/``state``/``defaults`` are the
+    local optimizer's (:class:`~heatlike.optim.wrapping.WrappedOptimizer`): torch LR schedulers
+    and optimizer hooks work on it as on the local optimizer.
     """
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,
@@ -135,6 +138,7 @@ class DASO:
         agree_on({k: v for k, v in locals().items()
                   if k not in ("self", "comm", "local_optimizer", "scheduler", "verbose")},
                  comm, "DASO")
+        self._wrap(local_optimizer)
         self.comm = comm
         self.local_optimizer = local_optimizer
         self.total_epochs = total_epochs
@@ -202,9 +206,6 @@ class DASO:
         self._ref = comm_buffer(size, torch.float32, device)
         if self._tensors:
             pack(self._tensors, self._ref)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.local_optimizer.zero_grad(set_to_none=set_to_none)
 
     # -- the schedule --------------------------------------------------------------------------
 
@@ -367,10 +368,9 @@ class DASO:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """The local optimizer's state, DASO's schedule and the global synchronizations in flight
-        (their all-reduces are completed; each is still merged at its own batch, so a run
-        resumed from this state continues exactly)."""
+    def _engine_state(self) -> dict:
+        """The global synchronizations in flight (their all-reduces are completed; each is still
+        merged at its own batch, so a run resumed from this state continues exactly)."""
         pending = []
         for sync in self._pending:
             for request in sync.requests:
@@ -379,27 +379,38 @@ class DASO:
             pending.append({"group": sync.group, "start": sync.start,
                             "receive_at": sync.receive_at, "btw": sync.btw,
                             "payload": sync.payload})
-        return {"local_optimizer": self.local_optimizer.state_dict(),
-                "epoch": self.epoch, "current_batch": self.current_batch,
-                "global_skip": self.global_skip, "local_skip": self.local_skip,
-                "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
-                "stability": self.stability.state_dict(), "ref": self._ref.clone(),
-                "engine": {"pending": pending}}
+        return {"pending": pending}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.local_optimizer.load_state_dict(state["local_optimizer"])
-        self.epoch, self.current_batch = state["epoch"], state["current_batch"]
-        self.global_skip, self.local_skip = state["global_skip"], state["local_skip"]
-        self.batches_to_wait, self._send_mod = state["batches_to_wait"], state["send_mod"]
-        self.stability.load_state_dict(state["stability"])
-        self._ref.copy_(state["ref"])
+    def _load_engine_state(self, state: dict) -> None:
         _complete_pending(self._pending)
         self._pending.clear()
-        for saved in state.get("engine", {}).get("pending", []):
+        for saved in state.get("pending", []):
             payload = saved["payload"]
             self._pending.append(_Sync(saved["group"], saved["start"], saved["receive_at"],
                                        saved["btw"], payload=None if payload is None else
                                        payload.to(self._ref.device)))
+
+    def state_dict(self) -> dict:
+        """torch's state dict of the local optimizer, DASO's schedule (``"daso"``) and the global
+        synchronizations in flight (``"engine"``)."""
+        state = super().state_dict()
+        state["daso"] = {"epoch": self.epoch, "current_batch": self.current_batch,
+                         "global_skip": self.global_skip, "local_skip": self.local_skip,
+                         "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
+                         "stability": self.stability.state_dict(), "ref": self._ref.clone()}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        daso = state_dict.pop("daso", None)
+        super().load_state_dict(state_dict)
+        if daso is None:  # a plain torch optimizer state: the schedule stays as it is
+            return
+        self.epoch, self.current_batch = daso["epoch"], daso["current_batch"]
+        self.global_skip, self.local_skip = daso["global_skip"], daso["local_skip"]
+        self.batches_to_wait, self._send_mod = daso["batches_to_wait"], daso["send_mod"]
+        self.stability.load_state_dict(daso["stability"])
+        self._ref.copy_(daso["ref"])
 
 
 def _complete_pending(pending: list) -> None:

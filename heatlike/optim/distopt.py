@@ -44,6 +44,7 @@ from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
+from .wrapping import WrappedOptimizer
 
 __all__ = ["DistOpt"]
 
@@ -54,12 +55,14 @@ def _positive_int(value, name: str) -> Exception | None:
     return None
 
 
-class DistOpt:
+class DistOpt(WrappedOptimizer):
     """SINGA's distributed optimizer wrapper (module docstring).
 
     ``opt`` is any torch optimizer (no shared default instance); ``comm`` the communicator
     (default: the world); ``buffSize`` the largest fused buffer, in elements.
     Attributes: ``world_size``, ``local_rank`` (rank on this node), ``global_rank``.
+    A ``torch.optim.Optimizer`` whose ``param_groups``/``state``/``defaults`` are ``opt``'s
+    (:class:`~heatlike.optim.wrapping.WrappedOptimizer`): torch LR schedulers work on it.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, comm: MPICommunication | None = None,
@@ -71,6 +74,7 @@ class DistOpt:
         error = error or _positive_int(buffSize, "buffSize")
         raise_together(error, comm)
         agree_on({"buffSize": buffSize}, comm, "DistOpt")
+        self._wrap(opt)
         self.opt = opt
         self.comm = comm
         self.buffSize = buffSize
@@ -95,11 +99,8 @@ class DistOpt:
         updated per parameter; torch optimizers step all parameters at once)."""
         param.grad = grad / self.world_size
 
-    def step(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none=set_to_none)
+    def step(self, closure=None):
+        return self.opt.step(closure)
 
     def __call__(self, loss: torch.Tensor) -> None:
         self.backward_and_update(loss)
@@ -310,23 +311,26 @@ class DistOpt:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """The torch optimizer's state, every mode's engine state (bucket plan, residuals) and
-        the partition counter."""
-        return {"opt": self.opt.state_dict(), "partial": self.partial,
-                "engine": {repr(k): s.state_dict() for k, s in self._syncs.items()}}
+    def _engine_state(self) -> dict:
+        """Every mode's engine state (bucket plan, residuals) and the partition counter."""
+        return {"partial": self.partial,
+                "syncs": {repr(k): s.state_dict() for k, s in self._syncs.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["opt"])
+    def _load_engine_state(self, state: dict) -> None:
         self.partial = int(state["partial"])
-        self._saved_sync_states = dict(state["engine"])  # modes not used yet get theirs later
+        self._saved_sync_states = dict(state["syncs"])  # modes not used yet get theirs later
         for key, sync in self._syncs.items():
             saved = self._saved_sync_states.pop(repr(key), None)
             if saved is not None:
                 sync.load_state_dict(saved)
 
-    get_states = state_dict
-    set_states = load_state_dict
+    def get_states(self) -> dict:
+        """SINGA's name for :meth:`state_dict`."""
+        return self.state_dict()
+
+    def set_states(self, states: dict) -> None:
+        """SINGA's name for :meth:`load_state_dict`."""
+        self.load_state_dict(states)
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
