@@ -123,6 +123,9 @@ def test_blocking_clip_between_backward_and_step_is_ddp_s(comm):
 
 @pytest.mark.mpi
 def test_non_blocking_clip_of_gradients_in_flight_raises_on_every_rank(comm):
+    if comm.size == 1:  # nothing is ever in flight at one rank: clipping just works
+        _assert_close(_train(comm, False, clip=0.5), _reference(comm, clip=0.5), "clip")
+        return
     with pytest.raises(RuntimeError, match="synchronize"):
         _train(comm, False, clip=0.5)
 
@@ -141,7 +144,7 @@ def test_a_replaced_or_scaled_gradient_in_flight_is_never_silently_dropped(comm,
         nn.functional.cross_entropy(model(x), y).backward()
         before = net[3].bias.detach().clone()
         net[3].bias.grad = torch.ones_like(net[3].bias)
-        if blocking:
+        if blocking or comm.size == 1:
             opt.step()
             assert torch.allclose(net[3].bias, before - LR)
         else:

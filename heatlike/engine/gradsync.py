@@ -104,6 +104,13 @@ class GradientSync:
         if getattr(self.reducer, "mixes", False):
             raise ValueError("gradient buckets need a summing reducer, not gossip")
         self.lane = Lane(self.codec, self.reducer)
+        # one rank, a lossless codec and a plain sum or average: the exchange is the identity, so
+        # there is nothing to do (no hooks, no copies, no collectives); .grad stays as backward
+        # left it, which is what the average of one rank is
+        self.passthrough = (self.comm.size == 1 and type(self.codec) is Identity and
+                            type(self.reducer) is AllReduce and
+                            getattr(self.reducer, "op", None) in ("avg", "sum") and
+                            not check_finite)
         self._exchanges = [0] * len(self.buckets)
         self.on_backward_end = on_backward_end
         self._cycles = 0
@@ -127,7 +134,7 @@ class GradientSync:
         self._callback_queued = False
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for p in self.params] if hooks else []
+                       for p in self.params] if hooks and not self.passthrough else []
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
@@ -229,6 +236,9 @@ class GradientSync:
 
     def set_reducer(self, reducer: Reducer) -> None:
         """Use ``reducer`` from the next cycle on (collective if it needs a private channel)."""
+        if self.passthrough:
+            raise RuntimeError("a one-rank gradient synchronization has no exchange whose "
+                               "reducer could change")
         self.reducer = reducer
         self.lane = Lane(self.codec, reducer)
 
@@ -284,6 +294,8 @@ class GradientSync:
     def launch_all(self) -> None:
         """Fill in every parameter that has not reported and launch every bucket (collective:
         all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
+        if self.passthrough:
+            return
         self._begin()
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
@@ -300,7 +312,7 @@ class GradientSync:
         """Report ``params`` as getting no gradient in the coming backward pass (found by walking
         the autograd graph after forward), so their buckets can launch without waiting for the
         end of the backward pass."""
-        if not self.enabled:
+        if not self.enabled or self.passthrough:
             return
         self._begin()
         for p in params:

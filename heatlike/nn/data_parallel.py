@@ -120,8 +120,10 @@ class DataParallel(torch.nn.Module):
             names=[n for n, _ in named])
         if optimizer is not None:
             optimizer._attach(self)
-        self._handles = [module.register_forward_pre_hook(self._before_forward),
-                         module.register_forward_hook(self._after_forward)]
+        self._handles = [module.register_forward_pre_hook(self._before_forward)]
+        if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
+            return
+        self._handles.append(module.register_forward_hook(self._after_forward))
         for sub in module.modules():
             own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
             if own and sub is not module:
