@@ -412,3 +412,41 @@ def test_one_rank_does_no_work_and_equals_the_bare_model():
             assert torch.equal(_flat(local), _flat(bare))
         assert model.grad_sync.bytes_sent == 0
     one.Free()
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_heat_s_constructor_call_selects_the_mode(comm, flag):
+    """Heat's DataParallel(module, comm, optimizer, blocking_parameter_updates): the module's
+    flag sets the optimizer's mode (in Heat it overrides the optimizer's ``blocking``), a list
+    holding one optimizer is accepted, and training matches the single process."""
+    P, r = comm.size, comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer("sgd", reference)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=not flag)
+    model = DataParallel(local, comm, [dp_opt], blocking_parameter_updates=flag)
+    assert dp_opt.blocking is flag and dp_opt.blocking_parameter_updates is flag
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+    model.flush()
+    torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    with pytest.raises(RuntimeError, match="fixed once DataParallel is built"):
+        dp_opt.blocking_parameter_updates = not flag
+
+
+def test_heat_s_calls_that_heatlike_cannot_honour_say_what_to_write(comm):
+    net = Net(seed=0)
+    two = [DataParallelOptimizer(_optimizer("sgd", net)) for _ in range(2)]
+    with pytest.raises(ValueError, match="one parameter group per part"):
+        DataParallel(net, comm, two)
+    with pytest.raises(TypeError, match="blocking_parameter_updates must be a bool"):
+        DataParallel(net, comm, two[0], blocking_parameter_updates="yes")
+    with pytest.raises(ValueError, match="selects the mode of the optimizer"):
+        DataParallel(net, comm, None, blocking_parameter_updates=True)

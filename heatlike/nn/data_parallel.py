@@ -50,8 +50,12 @@ class DataParallel(torch.nn.Module):
     module: the torch module, built the same way on every rank.
     comm: the communicator (default ``MPI_WORLD``).
     optimizer: a :class:`heatlike.optim.DataParallelOptimizer` over exactly the module's trainable
-        parameters; its ``blocking`` flag selects the mode. Without one, the averaged gradients are
-        in ``.grad`` at the end of every ``backward()`` for any optimizer to use.
+        parameters (or a list/tuple holding one, as Heat accepts); its ``blocking`` flag selects
+        the mode. Without one, the averaged gradients are in ``.grad`` at the end of every
+        ``backward()`` for any optimizer to use.
+    blocking_parameter_updates: Heat's argument: when given, it sets the optimizer's mode (as in
+        Heat, the module's flag wins over the optimizer's ``blocking``); None keeps the
+        optimizer's.
     bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB);
         ``bucket_cap_mb="auto"`` measures the communicator at construction and picks both
         (:func:`heatlike.engine.autotune`; the choice and the reason are logged on rank 0 and kept
@@ -71,15 +75,30 @@ class DataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, comm: MPICommunication = MPI_WORLD,
-                 optimizer: DataParallelOptimizer | None = None, *,
+                 optimizer: DataParallelOptimizer | None = None,
+                 blocking_parameter_updates: bool | None = None, *,
                  bucket_cap_mb: float | str = 25.0, first_bucket_mb: float = 1.0,
                  sync_buffers: str | None = "broadcast", codec: Codec | str | None = None,
                  find_unused_parameters: bool = False, check_finite: bool = False) -> None:
         super().__init__()
         comm = sanitize_comm(comm)
         error = None
+        if isinstance(optimizer, (list, tuple)) and len(optimizer) == 1:
+            optimizer = optimizer[0]  # Heat's list of optimizers, with its one optimizer
         if not isinstance(module, torch.nn.Module):
             error = TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        elif isinstance(optimizer, (list, tuple)):
+            error = ValueError(f"DataParallel takes one DataParallelOptimizer, got a list of "
+                               f"{len(optimizer)}: give its torch optimizer one parameter group "
+                               "per part of the model (torch.optim.SGD([{'params': ...}, "
+                               "{'params': ..., 'lr': ...}]))")
+        elif blocking_parameter_updates is not None and \
+                not isinstance(blocking_parameter_updates, bool):
+            error = TypeError(f"blocking_parameter_updates must be a bool or None, got "
+                              f"{type(blocking_parameter_updates).__name__}")
+        elif blocking_parameter_updates is not None and optimizer is None:
+            error = ValueError("blocking_parameter_updates selects the mode of the optimizer: "
+                               "pass optimizer=DataParallelOptimizer(torch_optimizer)")
         elif optimizer is not None and not isinstance(optimizer, DataParallelOptimizer):
             error = TypeError("optimizer must be a heatlike.optim.DataParallelOptimizer "
                               f"(wrap your torch optimizer), got {type(optimizer).__name__}")
@@ -89,6 +108,8 @@ class DataParallel(torch.nn.Module):
         else:
             error = no_trainable_parameters(module, "DataParallel")
         raise_together(error, comm)
+        if blocking_parameter_updates is not None:
+            optimizer.blocking = blocking_parameter_updates
         agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
                   "sync_buffers": sync_buffers, "find_unused_parameters": find_unused_parameters,
                   "check_finite": check_finite, "bucket_cap_mb": bucket_cap_mb,

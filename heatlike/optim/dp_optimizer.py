@@ -82,6 +82,17 @@ class DataParallelOptimizer(WrappedOptimizer):
     def blocking_parameter_updates(self) -> bool:
         return self.blocking
 
+    @blocking_parameter_updates.setter
+    def blocking_parameter_updates(self, blocking: bool) -> None:
+        if not isinstance(blocking, bool):
+            raise TypeError(f"blocking_parameter_updates must be a bool, got "
+                            f"{type(blocking).__name__}")
+        if self._model is not None and blocking != self.blocking:
+            raise RuntimeError("the mode is fixed once DataParallel is built: pass "
+                               "blocking_parameter_updates to DataParallel (Heat's way) or "
+                               "blocking to this optimizer")
+        self.blocking = blocking
+
     @property
     def update_next(self) -> bool:
         """Whether a deferred update is waiting for the next forward pass."""
