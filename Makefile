@@ -30,8 +30,10 @@ MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml constraints.txt
+	@echo "Setting up $(VENV): heatlike with torch (CPU build), mpi4py$(if $(filter wheel,$(MPI)),$(comma) the MPICH wheel) and the test, example and docs tools."
+	@echo "The first time, downloading and installing them takes a few minutes."
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --disable-pip-version-check -c constraints.txt -e ".[$(EXTRAS)]"
 	@touch $@
 
 demo: setup

@@ -2,8 +2,12 @@
 examples/communication_tour.py``.
 
 Shows the buffer kinds heatlike accepts, in-place and strided buffers, half-precision sums with
-float32 accumulation, non-blocking requests, and node-local / cross-node communicators.
+float32 accumulation, non-blocking requests, and node-local / cross-node communicators. Each rank
+logs what it sees (``HEATLIKE_LOG_RANKS=0`` keeps rank 0's lines only);
+``HEATLIKE_RANKS_PER_NODE=2`` emulates nodes of two ranks on one machine.
 """
+
+import argparse
 
 import numpy as np
 import torch
@@ -11,6 +15,12 @@ from mpi4py import MPI
 
 import heatlike as hl
 from heatlike.core.topology import get_topology
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    return p.parse_args(argv)
 
 
 def main() -> None:
@@ -54,4 +64,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    parse_args()
     main()

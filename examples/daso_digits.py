@@ -1,7 +1,7 @@
 """DASO on the digits data set: node-local gradient averaging every batch or few, parameter
 averaging between nodes every few batches in bfloat16, merged when it arrives.
 
-    mpiexec -n 4 env HEATLIKE_RANKS_PER_NODE=2 python -m heatlike examples/daso_digits.py \
+    mpiexec -n 4 env HEATLIKE_RANKS_PER_NODE=2 python -m heatlike examples/daso_digits.py \\
         [--epochs 16] [--warmup 2] [--cooldown 2] [--batch-size 16] [--lr 0.05] [--verbose]
 
 On a cluster the nodes are found by themselves (``srun --ntasks-per-node=4 ...``); on one machine
@@ -26,13 +26,18 @@ from heatlike.utils.data import DataLoader, Dataset
 
 
 def main(argv: list[str] | None = None) -> float:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--cooldown", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=16, help="epochs (default 16)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="first epochs with a global synchronization every batch (default 2)")
+    p.add_argument("--cooldown", type=int, default=2,
+                   help="last epochs with a global synchronization every batch (default 2)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="samples per rank and step (default 16)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--verbose", action="store_true", help="print DASO's schedule decisions")
     args = p.parse_args(argv)
     comm = hl.MPI_WORLD

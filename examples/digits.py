@@ -14,6 +14,7 @@ accuracy of every epoch and finally ``test accuracy: 0.XXXX``.
 from __future__ import annotations
 
 import argparse
+import textwrap
 import time
 
 import torch
@@ -29,21 +30,29 @@ from heatlike.utils.data import DataLoader, Dataset
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank and step")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    names = textwrap.fill(", ".join(sorted(ALGORITHMS)), 96, break_on_hyphens=False,
+                          initial_indent="  ", subsequent_indent="  ")
+    p = argparse.ArgumentParser(description=__doc__, epilog=f"algorithms of --algorithm:\n{names}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=30, help="epochs (default 30)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="samples per rank and step (default 16)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                   help="the local optimizer: SGD with momentum 0.9 or Adam (default sgd)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--blocking", dest="blocking", action="store_true",
                       help="update in step() (default: deferred to the next forward)")
-    mode.add_argument("--non-blocking", dest="blocking", action="store_false")
+    mode.add_argument("--non-blocking", dest="blocking", action="store_false",
+                      help="apply each update at the next forward, overlapping the gradient "
+                           "all-reduces with computation (the default)")
     p.set_defaults(blocking=False)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--progress", action="store_true", help="tqdm bar per epoch on rank 0")
-    p.add_argument("--algorithm", choices=sorted(ALGORITHMS),
-                   help="train with this algorithm of heatlike.bench.workloads instead "
-                        "(e.g. powersgd-2, topk-1%%, decentralized)")
+    p.add_argument("--algorithm", choices=sorted(ALGORITHMS), metavar="NAME",
+                   help="train with this algorithm of heatlike.bench.workloads instead (see "
+                        "below), e.g. powersgd-2, topk-1%%, decentralized")
     return p.parse_args(argv)
 
 

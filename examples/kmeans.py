@@ -1,6 +1,6 @@
 """K-means clustering (Lloyd's algorithm) with DNDarray operations only.
 
-Run with ``mpiexec -n 4 python -m heatlike examples/kmeans.py [n_samples]``.
+Run with ``mpiexec -n 4 python -m heatlike examples/kmeans.py [n_samples]`` (default 100000).
 
 The samples ``x`` (n x d) are split along their rows; the k centroids are small and replicated.
 One iteration:
@@ -18,7 +18,7 @@ row farthest from those chosen (a distributed ``argmax`` and a row broadcast per
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import heatlike as hl
@@ -94,7 +94,19 @@ def blobs(n: int, centers: hl.DNDarray, spread: float = 0.4, seed: int = 0
     return centers[truth] + spread * noise, truth
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("n_samples", nargs="?", type=int, default=100_000,
+                   help="samples drawn around 4 centers in 3-D (default 100000)")
+    args = p.parse_args(argv)
+    if args.n_samples < 4:
+        p.error(f"n_samples must be at least 4 (one per cluster), got {args.n_samples}")
+    return args
+
+
 def main(n: int = 100_000) -> None:
+    """Cluster ``n`` samples drawn around 4 centers and log what was found (rank 0)."""
     comm = hl.get_comm()
     log = hl.get_logger("kmeans")
     centers = hl.array([[0.0, 0.0, 0.0], [4.0, 4.0, 0.0], [-4.0, 4.0, 2.0], [0.0, -5.0, 3.0]],
@@ -111,4 +123,4 @@ def main(n: int = 100_000) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 100_000)
+    main(parse_args().n_samples)

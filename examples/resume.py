@@ -8,8 +8,8 @@ Run it, stop it (``--stop-after N`` stops after step N as a preempted job would,
 run the same command again: it prints where it resumed and ends with the same parameters
 (``final parameters sha256``) as a run that was never interrupted. Under SLURM this is the
 payload of ``scripts/slurm/requeue.sbatch``: the job requeues itself before its time limit and
-the next run resumes. ``--algorithm`` takes every name of ``python -m heatlike.bench
-algorithms --list`` (DataParallel, DASO, the mlbench and SINGA optimizers).
+the next run resumes. ``--algorithm`` takes every algorithm of ``heatlike.bench.workloads``
+(DataParallel, DASO, the mlbench and SINGA optimizers; listed below).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import os
 import signal
+import textwrap
 from pathlib import Path
 
 import torch
@@ -35,19 +36,30 @@ def parameters_digest(model: torch.nn.Module, comm) -> str:
     return hashlib.sha256(b"".join(comm.handle.allgather(mine))).hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--algorithm", default="allreduce", choices=sorted(ALGORITHMS))
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--checkpoint", type=Path, default=Path("digits.ckpt"))
-    parser.add_argument("--save-every", type=int, default=0, help="steps (0: only at the end)")
+def main(argv: list[str] | None = None) -> None:
+    names = textwrap.fill(", ".join(sorted(ALGORITHMS)), 96, break_on_hyphens=False,
+                          initial_indent="  ", subsequent_indent="  ")
+    parser = argparse.ArgumentParser(description=__doc__, epilog=f"algorithms:\n{names}",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithm", default="allreduce", choices=sorted(ALGORITHMS),
+                        metavar="NAME",
+                        help="the algorithm to train with (default allreduce; see below)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs in all (default 3)")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="samples per rank and step (default 16)")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    parser.add_argument("--checkpoint", type=Path, default=Path("digits.ckpt"),
+                        help="the checkpoint file, resumed from when it exists "
+                             "(default digits.ckpt)")
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="save every this many steps (default 0: only at the end)")
     parser.add_argument("--stop-after", type=int, default=0,
-                        help="save and stop after this step, as a preempted job")
+                        help="save and stop after this step, as a preempted job (default 0: "
+                             "never)")
     parser.add_argument("--kill-at", type=int, default=0,
-                        help="SIGKILL the last rank at this step (a crash between two saves)")
-    args = parser.parse_args()
+                        help="SIGKILL the last rank at this step, a crash between two saves "
+                             "(default 0: never)")
+    args = parser.parse_args(argv)
 
     comm = hl.MPI_WORLD
     x_train, y_train, x_test, y_test = load_digits_split()

@@ -5,7 +5,9 @@ An :class:`Aggregation` combines tensors across ranks through one codec and one 
 ``(model, op="avg", denom=None) -> None`` that replaces every gradient / parameter of ``model`` by
 its aggregate, one collective per tensor (``by_layer=True``) or one flat buffer for the model;
 ``_agg(data, op, denom)`` aggregates one tensor in place. ``op`` is ``"avg"``, ``"custom_avg"``
-(divide by ``denom``), ``"sum"``, ``"min"`` or ``"max"``.
+(divide by ``denom``), ``"sum"``, ``"min"`` or ``"max"``; mlbench's names :data:`AVG_WORLD`
+(``"avg_world"``, the same as ``"avg"``) and :data:`AVG_CUSTOM` (``"avg_custom"``, the same as
+``"custom_avg"``) are accepted everywhere, :class:`DecentralizedAggregation` included.
 
 Gradients that are None on some ranks count as zeros there and stay None on the ranks where no
 rank had one (mlbench crashed on None gradients).
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .core.agreement import raise_together
 from .core.communication import MPICommunication, sanitize_comm
 from .core.topology import NeighborGraph
 from .engine import codecs
@@ -39,18 +42,31 @@ from .optim.centralized import resolve_world_size
 
 __all__ = ["Aggregation", "AllReduceAggregation", "AllReduceAggregationHVD",
            "SparsifiedAggregation", "PowerAggregation", "DecentralizedAggregation",
-           "ALLREDUCE_AGGREGATION_OPS"]
+           "ALLREDUCE_AGGREGATION_OPS", "AVG_WORLD", "AVG_CUSTOM"]
 
-ALLREDUCE_AGGREGATION_OPS = ("avg", "custom_avg", "sum", "min", "max")
+#: mlbench's op names: divide the sum by the world size / by ``denom``
+AVG_WORLD = "avg_world"
+AVG_CUSTOM = "avg_custom"
+_ALIASES = {AVG_WORLD: "avg", AVG_CUSTOM: "custom_avg"}
+ALLREDUCE_AGGREGATION_OPS = (AVG_WORLD, AVG_CUSTOM, "avg", "custom_avg", "sum", "min", "max")
+
+
+def _canonical(op: str) -> str:
+    """``op`` with mlbench's names mapped to the engine's (ValueError for unknown ops)."""
+    if op not in ALLREDUCE_AGGREGATION_OPS:
+        raise ValueError(f"op must be one of {ALLREDUCE_AGGREGATION_OPS}, got {op!r}")
+    return _ALIASES.get(op, op)
 
 
 class Aggregation:
     """Aggregate gradients or weights across ranks with ``codec`` and a reducer."""
 
     def __init__(self, use_cuda: bool = False, *, comm: MPICommunication | None = None,
-                 codec: codecs.Codec | None = None) -> None:
+                 codec: codecs.Codec | str | None = None) -> None:
         self.comm = sanitize_comm(comm)
         self.use_cuda = use_cuda
+        codec, error = codecs.codec_error(codec)  # a name ("bf16", ...) or a codec
+        raise_together(error, self.comm)
         self.codec = codec if codec is not None else codecs.Identity()
         self._plans: dict = {}
         self._calls = 0
@@ -63,10 +79,9 @@ class Aggregation:
 
     def _reducer(self, op: str, denom) -> Reducer:
         """The reducer, configured for one call."""
-        if op not in ALLREDUCE_AGGREGATION_OPS:
-            raise ValueError(f"op must be one of {ALLREDUCE_AGGREGATION_OPS}, got {op!r}")
+        op = _canonical(op)
         if op == "custom_avg" and (denom is None or float(denom) <= 0):
-            raise ValueError("op='custom_avg' needs a positive denom")
+            raise ValueError("op='custom_avg' ('avg_custom') needs a positive denom")
         self._reducer_.configure(op, getattr(self, "divide_before", False)
                                  and op in ("avg", "custom_avg"),
                                  None if denom is None else float(denom))
@@ -86,7 +101,9 @@ class Aggregation:
         return data
 
     def _plan(self, model: torch.nn.Module, kind: str, by_layer: bool):
-        key = (id(model), kind, by_layer)
+        # a gradient plan may treat a one-rank sum or average as the identity when it is built,
+        # so a call that divides by a custom denominator gets a plan of its own
+        key = (id(model), kind, by_layer, getattr(self._reducer_, "op", None) == "custom_avg")
         plan = self._plans.get(key)
         if plan is None:
             params = list(model.parameters())
@@ -102,8 +119,8 @@ class Aggregation:
         return plan
 
     def _run(self, model: torch.nn.Module, kind: str, by_layer: bool, op: str, denom) -> None:
+        self._reducer(op, denom)  # checks op and denom before anything is sent
         plan = self._plan(model, kind, by_layer)
-        self._reducer(op, denom)
         if kind == "grad":
             plan.launch_all()
             plan.synchronize()
@@ -137,7 +154,7 @@ class AllReduceAggregation(Aggregation):
 
     def __init__(self, world_size: int | None = None, divide_before: bool = False,
                  use_cuda: bool = False, *, comm: MPICommunication | None = None,
-                 codec: codecs.Codec | None = None) -> None:
+                 codec: codecs.Codec | str | None = None) -> None:
         super().__init__(use_cuda, comm=comm, codec=codec)
         self.world_size = resolve_world_size(world_size, self.comm)
         self.divide_before = divide_before
@@ -178,7 +195,8 @@ class PowerAggregation(Aggregation):
 
 class DecentralizedAggregation(Aggregation):
     """Average with ``neighbors`` only (gossip; Metropolis-Hastings weights by default, mlbench's
-    uniform weights with ``weights="uniform"``). ``op`` must be ``"avg"``."""
+    uniform weights with ``weights="uniform"``). ``op`` must be ``"avg_world"`` (mlbench's) or
+    ``"avg"``."""
 
     def __init__(self, rank: int | None = None, neighbors: Sequence[int] | None = None,
                  use_cuda: bool = False, *, comm: MPICommunication | None = None,
@@ -194,8 +212,9 @@ class DecentralizedAggregation(Aggregation):
         return Gossip(self.graph)
 
     def _reducer(self, op: str, denom) -> Reducer:
-        if op != "avg":
-            raise ValueError("decentralized aggregation averages with neighbors (op='avg')")
+        if op not in (AVG_WORLD, "avg"):
+            raise ValueError(f"decentralized aggregation averages with neighbors: op must be "
+                             f"'avg_world' or 'avg', got {op!r}")
         return self._reducer_
 
     def _agg_gradients_by_layer(self, model, op="avg", denom=None):

@@ -218,7 +218,37 @@ CASES = [
     Case("checkpoint.save", "mismatch: path",
          lambda: checkpoint.save(TMP[0] / on_rank("c.ckpt", "d.ckpt"), mlp()),
          ValueError, "differs between ranks", True),
+    Case("checkpoint.save", "wrong type: extra value",
+         lambda: checkpoint.save(TMP[0] / "e.ckpt", mlp(), args=object()),
+         checkpoint.CheckpointError, "the extra value 'args' is a builtins.object"),
+    Case("checkpoint.save", "mismatch: extra value storable on some ranks only",
+         lambda: checkpoint.save(TMP[0] / "e.ckpt", mlp(), args=on_rank({"lr": 0.1}, object())),
+         checkpoint.CheckpointError, "the extra value 'args' is a builtins.object", True),
+    Case("checkpoint.load", "wrong type: keyword object",
+         lambda: (checkpoint.save(TMP[0] / "f.ckpt", mlp()),
+                  checkpoint.load(TMP[0] / "f.ckpt", mlp(), loader=3)),
+         TypeError, "'loader' must have state_dict()"),
+    Case("checkpoint.load", "wrong value: optimizer of another class",
+         lambda: _load_with(lambda model: torch.optim.Adam(model.parameters(), lr=0.1)),
+         checkpoint.CheckpointError, "from a SGD optimizer, the optimizer given is a Adam"),
+    Case("checkpoint.load", "wrong shape: optimizer parameters",
+         lambda: _load_with(lambda model: torch.optim.SGD(
+             [*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1)),
+         checkpoint.CheckpointError, "groups of [4] parameters in the checkpoint, [5] here"),
 ]
+
+
+def _load_with(make_optimizer) -> None:
+    """Save mlp() with SGD, load into a fresh mlp() with another optimizer; the module must keep
+    its weights (the load is refused before anything changes)."""
+    model = mlp()
+    checkpoint.save(TMP[0] / "g.ckpt", model, sgd(model))
+    fresh = mlp(seed=1)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    try:
+        checkpoint.load(TMP[0] / "g.ckpt", fresh, make_optimizer(fresh))
+    finally:
+        assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), before))
 
 TMP: list = []  # the test's shared temporary directory (rank 0's, broadcast)
 

@@ -5,9 +5,14 @@ optimizer, loader), loads the checkpoint and trains k steps. On every rank B's p
 equal A's bit for bit. (tests/test_resume.py repeats this across separate processes.)
 """
 
+import argparse
+import collections
+import copy
 import os
-from pathlib import Path
+from collections import OrderedDict
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,12 +218,23 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
-def test_a_checkpoint_cannot_run_code(comm, tmp_path):
+@pytest.mark.parametrize("where", ["every rank", "last rank"])
+def test_a_checkpoint_cannot_run_code(comm, tmp_path, monkeypatch, where):
+    """save refuses a pickled object; a file holding one anyway (written without that check,
+    in the shared segment or in one rank's own) raises CheckpointError on every rank and the
+    object's code never runs."""
     path = _shared_path(comm, tmp_path)
     marker = _shared_path(comm, tmp_path, "pwned")
     net = torch.nn.Linear(2, 2)
-    checkpoint.save(path, net, comm=comm, payload=_Payload(str(marker)))
-    with pytest.raises(RuntimeError, match="[Ww]eights only load failed|Unsupported"):
+    payload = _Payload(str(marker)) if where == "every rank" or comm.rank == comm.size - 1 \
+        else "harmless"
+    with pytest.raises(CheckpointError, match="'payload' is a test_checkpoint._Payload"):
+        checkpoint.save(path, net, comm=comm, payload=payload)
+    assert not path.exists()
+    monkeypatch.setattr(checkpoint, "_check_storable", lambda tree: None)
+    checkpoint.save(path, net, comm=comm, payload=payload)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match=r"pickled Python object \(.*open\).*not loaded"):
         checkpoint.load(path, net, comm=comm)
     assert not marker.exists()
 
@@ -241,3 +257,340 @@ def test_bad_arguments_raise_on_every_rank(comm, tmp_path):
     with pytest.raises(CheckpointError, match="does not fit the model.*weight"):
         checkpoint.load(path, other, comm=comm)
     assert all(torch.equal(p, q) for p, q in zip(_params(other), before))
+
+
+# -- a failed load changes nothing ----------------------------------------------------------------
+
+def _same(a, b) -> bool:
+    """Equal trees: tensors bit for bit (and dtype), numpy arrays, containers, plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def _everything(model, optimizer=None, *objects) -> dict:
+    """A copy of every piece of state a load could touch: the module's parameters and buffers,
+    the wrapper's engine, the optimizer (with its engine), keyword objects, the RNGs."""
+    bare = getattr(model, "module", model)
+    return copy.deepcopy({
+        "model": bare.state_dict(),
+        "engine": model.get_extra_state() if bare is not model else None,
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "objects": [o.state_dict() for o in objects],
+        "rng": checkpoint.rng_state()})
+
+
+class Fussy:
+    """A keyword object whose load_state_dict refuses its state on the ranks given."""
+
+    def __init__(self, refuse_on: set[int]) -> None:
+        self.value = 1.5
+        self.refuse_on = refuse_on
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        if hl.MPI_WORLD.rank in self.refuse_on:
+            raise ValueError("this state is not for me")
+        self.value = state["value"]
+
+
+def _saved_loop(comm, tmp_path, name: str = "allreduce-nonblocking", steps: int = 5) -> Path:
+    path = _shared_path(comm, tmp_path, "source.ckpt")
+    source = Loop(name, comm)
+    source.run(steps)
+    checkpoint.save(path, source.runner.model, source.runner.optimizer, loader=source.loader,
+                    fussy=Fussy(set()), losses=source.losses)
+    return path
+
+
+def _mlp_optimizers(net):
+    params = list(net.parameters())
+    return {
+        "more parameters": torch.optim.SGD([*params, torch.nn.Parameter(torch.zeros(3))],
+                                           lr=0.1, momentum=0.9),
+        "another class": torch.optim.Adam(params, lr=0.1),
+        "parameters in another order": torch.optim.SGD(params[::-1], lr=0.1, momentum=0.9),
+        "two groups": torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}],
+                                      lr=0.1, momentum=0.9),
+    }
+
+
+MISFITS = {
+    "more parameters": "parameter groups of \\[4\\] parameters in the checkpoint, \\[5\\]",
+    "another class": "from a SGD optimizer, the optimizer given is a Adam",
+    "parameters in another order": "'momentum_buffer' of parameter 0 has shape",
+    "two groups": "\\[4\\] parameters in the checkpoint, \\[2, 2\\]",
+}
+
+
+@pytest.mark.parametrize("misfit", sorted(MISFITS))
+def test_an_optimizer_that_does_not_fit_changes_nothing(comm, tmp_path, misfit):
+    """Refused before anything is restored: the module (loaded first before) keeps its weights,
+    the optimizer its state, the RNGs theirs."""
+    path = _saved_loop(comm, tmp_path, "allreduce")
+    net = mlp([64, 24, 10])
+    optimizer = _mlp_optimizers(net)[misfit]
+    x, y = _data()
+    torch.nn.functional.cross_entropy(net(x[:8]), y[:8]).backward()
+    optimizer.step()  # some optimizer state
+    before = _everything(net, optimizer)
+    with pytest.raises(CheckpointError, match=MISFITS[misfit]):
+        checkpoint.load(path, net, optimizer, comm=comm)
+    assert _same(_everything(net, optimizer), before)
+
+
+def test_an_engine_that_does_not_fit_changes_nothing(comm, tmp_path):
+    """Another wire format (bfloat16 instead of float32), then another heatlike optimizer's
+    engine (top-k into PowerSGD)."""
+    from heatlike.engine import Cast
+
+    path = _saved_loop(comm, tmp_path, "allreduce")
+    net = mlp([64, 24, 10])
+    optimizer = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1,
+                                                               momentum=0.9))
+    model = hl.nn.DataParallel(net, comm, optimizer=optimizer, codec=Cast(torch.bfloat16))
+    before = _everything(model, optimizer)
+    with pytest.raises(CheckpointError, match="codec\\) 'identity', this run uses "
+                                              "'cast-bfloat16'"):
+        checkpoint.load(path, model, optimizer)
+    assert _same(_everything(model, optimizer), before)
+
+    path = _saved_loop(comm, tmp_path, "topk-1%")
+    other = Loop("powersgd-2", comm)
+    other.run(2)
+    before = _everything(other.runner.model, other.runner.optimizer, other.loader)
+    with pytest.raises(CheckpointError, match="optimizer.engine.*codec"):
+        other.load(path)
+    assert _same(_everything(other.runner.model, other.runner.optimizer, other.loader), before)
+
+
+def test_a_keyword_object_that_does_not_fit_changes_nothing(comm, tmp_path):
+    """A keyword object missing from the checkpoint is refused before anything changes; a data
+    loader whose load_state_dict refuses the saved state (another seed), after the model, its
+    engine and the optimizer were restored: everything is put back, and the run goes on as one
+    that never tried."""
+    path = _saved_loop(comm, tmp_path)
+    target, twin = Loop("allreduce-nonblocking", comm), Loop("allreduce-nonblocking", comm)
+    target.run(3)
+    twin.run(3)
+    objects = (target.runner.model, target.runner.optimizer, target.loader)
+    scheduler = torch.optim.lr_scheduler.StepLR(target.runner.optimizer, 2)  # (sets initial_lr)
+    before = _everything(*objects)
+    with pytest.raises(CheckpointError, match="no state for 'scheduler'"):
+        checkpoint.load(path, *objects[:2], loader=target.loader, scheduler=scheduler)
+    assert _same(_everything(*objects), before)
+
+    other_seed = DataLoader(Dataset(*_data()), batch_size=8, seed=2, comm=comm)
+    with pytest.raises(CheckpointError, match="restoring 'loader'.*seed"):
+        checkpoint.load(path, *objects[:2], loader=other_seed, fussy=Fussy(set()))
+    assert _same(_everything(*objects), before)
+    target.run(3)
+    twin.run(3)
+    assert all(torch.equal(p, q) for p, q in zip(target.parameters(), twin.parameters()))
+
+
+@pytest.mark.parametrize("fails", ["keyword object", "random generators"])
+def test_a_load_failing_on_one_rank_is_undone_on_every_rank(comm, tmp_path, monkeypatch, fails):
+    """Restoring fails on the last rank only, at a keyword object or at the RNGs (restored last),
+    after the model, its engine, the optimizer and the data loader were restored everywhere:
+    every rank puts every object back, raises, and continues exactly like a run that never
+    loaded."""
+    path = _saved_loop(comm, tmp_path)
+    last = comm.size - 1
+    target, twin = Loop("allreduce-nonblocking", comm), Loop("allreduce-nonblocking", comm)
+    target.run(3)
+    twin.run(3)
+    fussy = Fussy({last} if fails == "keyword object" else set())
+    objects = (target.runner.model, target.runner.optimizer, target.loader, fussy)
+    before = _everything(*objects)
+    if fails == "random generators":
+        original, calls = checkpoint.set_rng_state, []
+
+        def once_broken(state):
+            calls.append(1)
+            if comm.rank == last and len(calls) == 1:
+                raise RuntimeError("the generator refused its state")
+            original(state)
+
+        monkeypatch.setattr(checkpoint, "set_rng_state", once_broken)
+    where = f"on rank {last}: " if comm.size > 1 else ""
+    with pytest.raises(CheckpointError, match=f"{where}restoring .* failed"):
+        checkpoint.load(path, *objects[:2], loader=target.loader, fussy=fussy)
+    monkeypatch.undo()
+    assert _same(_everything(*objects), before)
+    assert fussy.value == 1.5
+    target.run(3)
+    twin.run(3)
+    assert all(torch.equal(p, q) for p, q in zip(target.parameters(), twin.parameters()))
+
+
+# -- pending deferred updates --------------------------------------------------------------------
+
+def _deferred(comm):
+    """A DataParallel with a non-blocking DataParallelOptimizer (SGD with momentum)."""
+    net = mlp([64, 24, 10])
+    inner = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    wrapper = hl.optim.DataParallelOptimizer(inner, blocking=False)
+    model = hl.nn.DataParallel(net, comm, optimizer=wrapper)
+    return net, inner, wrapper, model
+
+
+def _deferred_steps(model, wrapper, first: int, last: int) -> None:
+    x, y = _data()
+    for i in range(first, last):
+        rows = slice(16 * i + 4 * hl.MPI_WORLD.rank % 128, None)
+        wrapper.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows][:4]), y[rows][:4]).backward()
+        wrapper.step()  # the update is pending until the next forward
+
+
+PASSED = {"DataParallel and the torch optimizer": lambda net, inner, wrapper, model: (model, inner),
+          "bare module and the torch optimizer": lambda net, inner, wrapper, model: (net, inner),
+          "DataParallel and its optimizer": lambda net, inner, wrapper, model: (model, wrapper)}
+
+
+@pytest.mark.parametrize("passed", sorted(PASSED))
+def test_save_and_load_apply_pending_updates_whatever_is_passed(comm, tmp_path, passed):
+    """save() right after a deferred step() holds that step's update, whichever objects are
+    passed; load() into objects that have an update pending applies it first, so it does not
+    land on the loaded weights. Resumed == uninterrupted, bit for bit."""
+    path = _shared_path(comm, tmp_path)
+    net, inner, wrapper, model = _deferred(comm)
+    _deferred_steps(model, wrapper, 0, 3)
+    checkpoint.save(path, *PASSED[passed](net, inner, wrapper, model), comm=comm)
+    _deferred_steps(model, wrapper, 3, 6)
+    model.flush()
+    expected = _params(net)
+
+    net, inner, wrapper, model = _deferred(comm)
+    _deferred_steps(model, wrapper, 10, 12)  # another run, with an update pending
+    checkpoint.load(path, *PASSED[passed](net, inner, wrapper, model), comm=comm)
+    _deferred_steps(model, wrapper, 3, 6)
+    model.flush()
+    assert all(torch.equal(p, q) for p, q in zip(_params(net), expected))
+
+
+# -- what can be stored --------------------------------------------------------------------------
+
+class Settings:
+    """A keyword object whose state holds numpy values and a path."""
+
+    def __init__(self) -> None:
+        self.state = {"mean": np.float32(0.0), "table": np.zeros(3), "root": Path(".")}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def _stored_values(rank: int) -> dict:
+    args = argparse.Namespace(lr=0.1, data=Path("/data/digits"), layers=[64, 10],
+                              sizes=np.arange(3, dtype=np.int16), name=None)
+    return {
+        "args": args,
+        "root": Path("runs") / "a",
+        "pure": PureWindowsPath("C:/data/x"),
+        "posix": PurePosixPath("/x/y"),
+        "best": np.float64(0.875),
+        "count": np.int64(2**40 + rank),
+        "flag": np.bool_(True),
+        "table": np.arange(12, dtype=np.float32).reshape(3, 4) * (rank + 1),
+        "wide": np.array([1, 2], dtype=">i8"),
+        "empty": np.zeros((0, 3), dtype=np.uint8),
+        "scalar0d": np.array(3.5),
+        "complex": np.array([1 + 2j], dtype=np.complex64),
+        "when": np.array(["2024-01-02T03:04"], dtype="datetime64[m]"),
+        "history": [np.float32(1.5), {"dir": Path("x"), "t": (np.int8(1), "a")}],
+        "ordered": OrderedDict(b=np.zeros(2), a=1),
+    }
+
+
+def test_numpy_paths_and_namespaces_round_trip(comm, tmp_path):
+    """Values load refused before (numpy arrays and scalars, pathlib paths, argparse.Namespace,
+    also nested, also different per rank, also in a keyword object's state) come back equal and
+    of the same types."""
+    path = _shared_path(comm, tmp_path)
+    net = torch.nn.Linear(2, 2)
+    values = _stored_values(comm.rank)
+    settings = Settings()
+    settings.state["mean"] = np.float32(comm.rank + 0.5)
+    checkpoint.save(path, net, comm=comm, settings=settings, **values)
+    fresh = Settings()
+    loaded = checkpoint.load(path, net, comm=comm, settings=fresh)
+    assert set(loaded) == set(values)
+    for key, value in values.items():
+        got = loaded[key]
+        if isinstance(value, argparse.Namespace):
+            assert type(got) is argparse.Namespace and sorted(vars(got)) == sorted(vars(value))
+            assert all(_same(getattr(got, k), v) for k, v in vars(value).items()), key
+        else:
+            assert _same(got, value), (key, got, value)
+    assert _same(fresh.state, settings.state)
+    assert type(fresh.state["mean"]) is np.float32 and fresh.state["mean"] == comm.rank + 0.5
+
+
+class Opaque:
+    pass
+
+
+UNSTORABLE = {
+    "an object": (lambda: Opaque(), "'value' is a test_checkpoint.Opaque"),
+    "a function": (lambda: (lambda: 1), "'value' is a builtins.function"),
+    "a defaultdict": (lambda: collections.defaultdict(list), "collections.defaultdict"),
+    "an object array": (lambda: np.array([None, 1], dtype=object), "dtype object"),
+    "a structured array": (lambda: np.zeros(2, dtype=[("a", "<i4")]), "numpy array of dtype"),
+    "nested": (lambda: {"a": [1, {"b": Opaque()}]}, "'value' \\(at a.1.b\\)"),
+    "a reserved key": (lambda: {"__heatlike_type__": 1}, "reserve"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNSTORABLE))
+def test_values_a_checkpoint_cannot_hold_are_refused_at_save(comm, tmp_path, kind):
+    """Refused on every rank, naming the value, before anything is written (the previous
+    checkpoint stays; no temporary file)."""
+    make, says = UNSTORABLE[kind]
+    path = _shared_path(comm, tmp_path)
+    net = torch.nn.Linear(2, 2)
+    checkpoint.save(path, net, comm=comm, value=1)
+    first = path.read_bytes() if comm.rank == 0 else None
+    with pytest.raises(CheckpointError, match=says):
+        checkpoint.save(path, net, comm=comm, value=make())
+    if comm.rank == 0:
+        assert path.read_bytes() == first
+        assert sorted(os.listdir(path.parent)) == [path.name]
+    assert checkpoint.load(path, net, comm=comm)["value"] == 1
+
+
+def test_a_value_refused_on_one_rank_is_refused_on_every_rank(comm, tmp_path):
+    path = _shared_path(comm, tmp_path)
+    last = comm.size - 1
+    where = f"on rank {last}: " if comm.size > 1 else ""
+    with pytest.raises(CheckpointError, match=f"^{where}checkpoint.save: the extra value 'v'"):
+        checkpoint.save(path, torch.nn.Linear(2, 2), comm=comm,
+                        v=Opaque() if comm.rank == last else 1)
+    assert not path.exists()
+
+
+def test_temporary_files_of_killed_saves_are_removed(comm, tmp_path):
+    """A save killed outright (SIGKILL) leaves its temporary file; the next save of the same
+    path removes it (and only its own: other checkpoints' files stay)."""
+    path = _shared_path(comm, tmp_path)
+    stale = path.parent / f".{path.name}.k2j4h5g6.tmp"
+    other = path.parent / ".other.ckpt.k2j4h5g6.tmp"
+    if comm.rank == 0:
+        stale.write_bytes(b"half a checkpoint")
+        other.write_bytes(b"someone else's")
+    comm.Barrier()
+    checkpoint.save(path, torch.nn.Linear(2, 2), comm=comm)
+    if comm.rank == 0:
+        assert not stale.exists() and other.exists()

@@ -250,6 +250,7 @@ def test_amp_skips_together(comm):
     _identical_everywhere(comm, net)
 
 
+@pytest.mark.slow  # 16 epochs of digits
 def test_daso_trains_digits(comm, monkeypatch):
     """The DASO example reaches >= 0.95 test accuracy (two emulated nodes when possible)."""
     monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(max(1, (comm.size + 1) // 2)))

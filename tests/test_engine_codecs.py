@@ -109,11 +109,13 @@ def test_topk_picks_largest_magnitudes_below_one(comm):
 
 @pytest.mark.parametrize("scaled", [False, True])
 def test_sign_codecs(comm, scaled):
+    """Dense inputs without exact zeros: one bit per value and one float32 marker (and the scale)
+    per rank; the decoded sum is the sum of the (scaled) signs."""
     xs = [_x(r, 37) for r in range(comm.size)]
     codec = ScaledSign() if scaled else Sign()
     reducer = AllReduce(comm, op="sum")
     got = _run(codec, xs[comm.rank].clone(), comm, reducer)
-    signs = [torch.where(x >= 0, 1.0, -1.0) for x in xs]
+    signs = [torch.sign(x) for x in xs]
     if scaled:
         expected = _sum_of([x.abs().mean() * s for x, s in zip(xs, signs)])
         residual = codec.state_for(0)["residual"]
@@ -124,6 +126,36 @@ def test_sign_codecs(comm, scaled):
         expected = _sum_of(signs)
         assert reducer.bytes_sent == math.ceil(37 / 8) + 4
     assert torch.allclose(got, expected, atol=1e-5)
+
+
+def _with_zeros(rank: int, n: int = 37) -> torch.Tensor:
+    """Rank 0 has zeros in every third entry; entry 1 is zero on every rank."""
+    x = _x(rank, n, seed=5)
+    if rank == 0:
+        x[::3] = 0.0
+    x[1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_sign_of_zero_is_no_vote(comm, scaled):
+    """sign(0) = 0: a rank does not vote on an entry it has no opinion on (it used to count as
+    +1). When some rank has zeros every rank sends a second bit per value (nonzero or not);
+    the residual of error feedback keeps the zeros' values (zero)."""
+    n = 37
+    xs = [_with_zeros(r, n) for r in range(comm.size)]
+    codec = ScaledSign() if scaled else Sign()
+    reducer = AllReduce(comm, op="sum")
+    got = _run(codec, xs[comm.rank].clone(), comm, reducer)
+    scales = [x.abs().mean() if scaled else torch.tensor(1.0) for x in xs]
+    expected = _sum_of([s * torch.sign(x) for s, x in zip(scales, xs)])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got[1].item() == 0.0
+    assert reducer.bytes_sent == 2 * math.ceil(n / 8) + 4 + (4 if scaled else 0)
+    if scaled:
+        me = xs[comm.rank]
+        torch.testing.assert_close(codec.state_for(0)["residual"],
+                                   me - scales[comm.rank] * torch.sign(me))
 
 
 def test_bit_packing_roundtrip():
@@ -305,7 +337,7 @@ def test_many_multi_round_exchanges_in_flight(comm, make):
     for i, p in enumerate(params):
         rows = [e[i] for e in everyone]
         if isinstance(sync.codec, Sign):
-            expected = sum(torch.where(r >= 0, 1.0, -1.0) for r in rows) / comm.size
+            expected = sum(torch.sign(r) for r in rows) / comm.size
         elif isinstance(sync.codec, TopK):
             sent = []
             for r in rows:

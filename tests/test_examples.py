@@ -1,5 +1,7 @@
-"""Examples and job scripts run as documented."""
+"""Examples and job scripts run as documented; every example answers ``--help``; benchmark
+progress bars stay out of output that is not a terminal."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ def test_communication_tour_runs_on_emulated_nodes():
     assert "2 node(s) of sizes [2, 1]; cross-node groups: [[0, 2], [1]]" in out, out
 
 
+@pytest.mark.slow  # 8 epochs under mpiexec
 @pytest.mark.parametrize("mode", ["--non-blocking", "--blocking"])
 def test_digits_example_learns(mode):
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "heatlike",
@@ -34,3 +37,48 @@ def test_digits_example_learns(mode):
     accuracy = float(out.split("test accuracy: ")[-1].split()[0])
     assert accuracy >= 0.9, out
     assert "epoch  8/8" in out, out
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+@pytest.mark.slow  # five interpreters importing torch
+def test_every_example_explains_itself_with_help():
+    """``python examples/X.py --help`` (no mpiexec) prints usage and the example's whole
+    description, exits 0, and runs nothing; for every example (all at once: each imports torch)."""
+    assert len(EXAMPLES) >= 5, EXAMPLES
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "examples" / name), "--help"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=_clean_env())
+             for name in EXAMPLES}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        out = f"{name}:\n{stdout}{stderr}"
+        assert proc.returncode == 0, out
+        assert stdout.startswith(f"usage: {name}"), out
+        assert "Traceback" not in out and "[rank 0" not in out, out  # nothing ran or logged
+        # the description is the module docstring, complete (not cut after its first line)
+        doc = ast.get_docstring(ast.parse((ROOT / "examples" / name).read_text()))
+        assert " ".join(doc.split()) in " ".join(stdout.split()), out
+
+
+def test_bench_progress_bars_only_on_a_terminal(monkeypatch, capsys):
+    """Progress bars of ``python -m heatlike.bench`` stay out of output that is not a terminal
+    (a file, a pipe, mpiexec's forwarding), where they would tangle with the tables;
+    ``--progress`` asks for them anyway."""
+    from heatlike.bench import __main__ as bench
+    from heatlike.bench import _common as bench_common
+
+    def suite(results, quick=False):
+        for _ in bench_common.progress(range(3), "fake suite"):
+            bench_common.say("| a table row |")
+
+    monkeypatch.setitem(bench.SUITES, "comm", suite)
+    monkeypatch.setattr(bench_common, "_PROGRESS", None)
+    assert bench.main(["comm"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("| a table row |") == 3, out
+    assert "fake suite" not in err and "\r" not in err + out, err
+    assert bench.main(["comm", "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("| a table row |") == 3 and "fake suite" in err, (out, err)

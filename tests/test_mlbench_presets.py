@@ -138,9 +138,8 @@ def test_powersgd_low_rank_error_feedback(comm):
     assert residual.abs().sum() > 0  # rank-1 approximation of 12x6 and 3x12 matrices
 
 
-def test_sparsified_sgd_memory_and_estimate(comm):
-    """SparsifiedSGD: user initialization kept, any shape, lr applied; sent + memory = lr*g;
-    the estimated weights follow Stich et al.'s weights."""
+def test_sparsified_sgd_memory(comm):
+    """SparsifiedSGD: user initialization kept, any shape, lr applied; sent + memory = lr*g."""
     torch.manual_seed(0)
     params = [nn.Parameter(torch.full((3, 4, 2), 3.0)), nn.Parameter(torch.full((5,), -1.0))]
     opt = optim.SparsifiedSGD(params, lr=0.5, sparse_grad_size=4, comm=comm)
@@ -160,13 +159,69 @@ def test_sparsified_sgd_memory_and_estimate(comm):
         comm.Allreduce(hl.IN_PLACE, total)
         expected = before[b].reshape(-1) - total / comm.size
         torch.testing.assert_close(p.detach().reshape(-1), expected)
-    est = opt.get_estimated_weights()
-    torch.testing.assert_close(est[0], params[0].detach())  # rho_0 = 1
-    opt.update_estimated_weights(1, 4)
-    tau = 24 / 4
-    rho = 6 * (1 + tau) ** 2 / (2 * (6 * tau ** 2 + 1 + 6 * tau + 2))
-    expected = (1 - rho) * params[0].detach() + rho * params[0].detach()
-    torch.testing.assert_close(opt.get_estimated_weights()[0], expected)
+
+
+def _rho(t, tau):
+    return 6 * (t + tau) ** 2 / ((1 + t) * (6 * tau ** 2 + t + 6 * tau * t + 2 * t ** 2))
+
+
+def test_sparsified_sgd_estimated_weights_follow_the_loop(comm):
+    """mlbench's protocol: step() leaves the estimated weights alone; the loop's
+    update_estimated_weights(t, k) after each step gives Stich et al.'s weighted average
+    (computed here in float64 from the iterates)."""
+    net = _net()
+    opt = optim.SparsifiedSGD(net.parameters(), lr=0.2, sparse_grad_size=7, comm=comm)
+    est = [p.detach().double().clone() for p in net.parameters()]
+    for t in range(4):
+        x, y = _data(t, B)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        held = [e.clone() for e in opt.get_estimated_weights()]
+        opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(held, opt.get_estimated_weights()))
+        opt.update_estimated_weights(t, 7)
+        for e, p in zip(est, net.parameters()):
+            rho = _rho(t, p.numel() / min(7, p.numel()))
+            e.mul_(1 - rho).add_(p.detach().double(), alpha=rho)
+    for e, got in zip(est, opt.get_estimated_weights()):
+        torch.testing.assert_close(got.double(), e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("random_sparse", [False, True], ids=["block", "random"])
+def test_sparsified_sgd_sparsify_gradients_protocol(comm, random_sparse):
+    """The documented sparsify_gradients(param, lr): the loop gathers every rank's coordinates,
+    writes their average into .grad and calls step(), which applies it without communicating;
+    the model is the one step() alone gives (the same coordinates)."""
+    k, lr = 5, 0.3
+    auto, manual = _net(), _net()
+    a = optim.SparsifiedSGD(auto.parameters(), lr=lr, sparse_grad_size=k, comm=comm,
+                            random_sparse=random_sparse)
+    m = optim.SparsifiedSGD(manual.parameters(), lr=lr, sparse_grad_size=k, comm=comm,
+                            random_sparse=random_sparse)
+    for t in range(3):
+        x, y = _data(10 * t + comm.rank, B)
+        for net, opt in ((auto, a), (manual, m)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        a.step()
+        for p in manual.parameters():
+            sparse = m.sparsify_gradients(p, lr)
+            kp = min(k, p.numel())
+            assert sparse.shape == ((2, kp) if random_sparse else (1, kp + 1))
+            everyone = torch.empty(comm.size * sparse.numel(), dtype=sparse.dtype)
+            comm.Allgather(sparse.reshape(-1).contiguous(), everyone)
+            update = torch.zeros(p.numel(), dtype=torch.float64)
+            for s in everyone.view(comm.size, *sparse.shape):
+                if random_sparse:
+                    update.index_add_(0, s[0].long(), s[1])
+                else:
+                    start = int(s[0, 0])
+                    update[start:start + kp] += s[0, 1:]
+            p.grad = (update / comm.size).to(p.dtype).view(p.shape)
+        m.step()
+        for pa, pm in zip(auto.parameters(), manual.parameters()):
+            torch.testing.assert_close(pm, pa, rtol=1e-6, atol=1e-7)
+    _same_everywhere(comm, manual)
 
 
 def test_centralized_sparsified_sgd_sends_k_per_tensor(comm):
@@ -190,13 +245,37 @@ def test_sign_sgd_majority_vote(comm):
     x, y = _data(comm.rank, B)
     opt.zero_grad()
     nn.functional.cross_entropy(net(x), y).backward()
-    mine = torch.cat([torch.where(p.grad >= 0, 1.0, -1.0).reshape(-1) for p in net.parameters()])
+    mine = torch.cat([torch.sign(p.grad).reshape(-1) for p in net.parameters()])
     votes = mine.clone()
     comm.Allreduce(hl.IN_PLACE, votes)
     opt.step()
     torch.testing.assert_close(_flat(net), before - 0.01 * torch.sign(votes))
-    # one bit per value and one float32 non-finite marker per tensor
+    # dense gradients without exact zeros: one bit per value and one float32 marker per tensor
     assert opt.sync.bytes_sent == sum(math.ceil(p.numel() / 8) + 4 for p in net.parameters())
+
+
+def test_sign_sgd_zero_and_missing_gradients_cast_no_vote(comm):
+    """sign(0) = 0 and a rank without a gradient for a parameter does not vote on it (mlbench's
+    SignSGD counted both as +1: at 3 ranks a coordinate where only rank 0 has gradient -1 moved
+    the wrong way, and zero-gradient coordinates drifted by -lr every step)."""
+    P, r, lr = comm.size, comm.rank, 0.1
+    a, b, c = (nn.Parameter(torch.zeros(n)) for n in (4, 3, 2))
+    opt = optim.SignSGD([a, b, c], lr=lr, comm=comm)
+
+    def grad_a(rank):  # coord 0: only rank 0 has an opinion; 1: nobody; 2: alternating; 3: all
+        return torch.tensor([-1.0 if rank == 0 else 0.0, 0.0, 1.0 if rank % 2 == 0 else -1.0,
+                             2.0])
+
+    a.grad = grad_a(r)
+    b.grad = torch.tensor([1.0, -1.0, 0.0]) if r == 0 else None  # only rank 0 has one
+    opt.step()
+    votes = sum(torch.sign(grad_a(q)) for q in range(P))
+    torch.testing.assert_close(a.detach(), -lr * torch.sign(votes))
+    assert a[0].item() == pytest.approx(lr) and a[1].item() == 0.0
+    torch.testing.assert_close(b.detach(), torch.tensor([-lr, lr, 0.0]))
+    assert torch.equal(c.detach(), torch.zeros(2)) and c.grad is None
+    assert torch.equal(a.grad, grad_a(r))  # the caller's gradients are left as they were
+    _same_everywhere(comm, nn.ParameterList([a, b, c]))
 
 
 def test_decentralized_sgd_gossip(comm):
@@ -333,6 +412,262 @@ def test_bad_input(comm):
                                          average_custom=True, comm=comm)
     with pytest.raises(ValueError, match="denom"):
         c.step()
+
+
+def test_custom_weight_mode_averages_or_refuses(comm):
+    """agg_grad=False: the weights are averaged over the world (average_world); a custom
+    denominator or no averaging mode would scale them by P / denom or P every step (mlbench
+    summed them): ValueError on every rank."""
+    _compare(comm,
+             lambda m: optim.CustomCentralizedOptimizer(
+                 m, None, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                 agg_grad=False, average_world=True, comm=comm),
+             lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    for flags in ({"average_custom": True}, {}):
+        net = _net()
+        with pytest.raises(ValueError, match="average_world=True"):
+            optim.CustomCentralizedOptimizer(net, None, torch.optim.SGD(net.parameters(), lr=1),
+                                             agg_grad=False, comm=comm, **flags)
+
+
+@pytest.mark.parametrize("divide_before", [False, True])
+def test_custom_average_custom_sums_during_backward(comm, divide_before):
+    """average_custom: the sum is formed during backward (so GradScaler and clipping see the
+    same on every rank) and step(denom=) divides it, with and without divide_before."""
+    _compare(comm,
+             lambda m: optim.CustomCentralizedOptimizer(
+                 m, None, torch.optim.SGD(m.parameters(), lr=0.1), average_custom=True,
+                 divide_before=divide_before, comm=comm),
+             lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+             loss_scale=comm.size / 3, step_kwargs={"denom": torch.tensor(3.0)})
+
+
+def test_aggregation_accepts_mlbench_op_names(comm):
+    """'avg_world' / 'avg_custom' (and the AVG_WORLD / AVG_CUSTOM constants) as in mlbench;
+    DecentralizedAggregation takes 'avg_world', the op mlbench requires for it."""
+    assert agg.AVG_WORLD == "avg_world" and agg.AVG_CUSTOM == "avg_custom"
+    assert {agg.AVG_WORLD, agg.AVG_CUSTOM} <= set(agg.ALLREDUCE_AGGREGATION_OPS)
+    P = comm.size
+    everyone = torch.stack([torch.arange(6.0) * (q + 1) for q in range(P)])
+    a = agg.AllReduceAggregation(world_size=P, comm=comm)
+    for by_layer in (False, True):
+        for op, denom, ref in ((agg.AVG_WORLD, None, everyone.mean(0)),
+                               (agg.AVG_CUSTOM, torch.tensor(4.0), everyone.sum(0) / 4)):
+            model = nn.Linear(3, 2, bias=False)
+            model.weight.grad = everyone[comm.rank].view(2, 3).clone()
+            a.agg_grad(by_layer)(model, op, denom=denom)
+            torch.testing.assert_close(model.weight.grad.reshape(-1), ref)
+            with torch.no_grad():
+                model.weight.copy_(everyone[comm.rank].view(2, 3))
+            a.agg_model(by_layer)(model, op, denom=denom)
+            torch.testing.assert_close(model.weight.detach().reshape(-1), ref)
+    t = torch.full((3,), float(comm.rank))
+    torch.testing.assert_close(a._agg(t, agg.AVG_WORLD), torch.full((3,), (P - 1) / 2))
+    with pytest.raises(ValueError, match="denom"):
+        a._agg(t, agg.AVG_CUSTOM)
+    neighbors = sorted({(comm.rank - 1) % P, (comm.rank + 1) % P} - {comm.rank})
+    w = _net(seed=comm.rank)
+    mean = _flat(w)
+    comm.Allreduce(hl.IN_PLACE, mean)
+    agg.DecentralizedAggregation(comm.rank, neighbors, comm=comm,
+                                 weights="uniform").agg_model()(w, agg.AVG_WORLD)
+    after = _flat(w)
+    comm.Allreduce(hl.IN_PLACE, after)
+    torch.testing.assert_close(after, mean, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="avg_world"):
+        agg.DecentralizedAggregation(comm.rank, neighbors, comm=comm).agg_model()(w, "sum")
+
+
+class _MlbenchTracker:
+    """mlbench_core.utils.Tracker's batch-timing protocol, and nothing else (no add_bytes)."""
+
+    def __init__(self):
+        self.batch_times = []
+
+    def record_batch_step(self, name):
+        self.batch_times.append(name)
+
+    def record_batch_agg(self):
+        self.record_batch_step("agg")
+
+    def record_batch_opt_step(self):
+        self.record_batch_step("opt_step")
+
+
+def _every_preset(comm, net):
+    neighbors = sorted({(comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size} - {comm.rank})
+    def generic():
+        opt = optim.GenericCentralizedOptimizer(model=net, comm=comm)
+        opt.optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        return opt
+
+    return {
+        "Generic": generic,
+        "CentralizedSGD": lambda: optim.CentralizedSGD(model=net, lr=0.1, comm=comm),
+        "CentralizedSGD-weights": lambda: optim.CentralizedSGD(model=net, lr=0.1, comm=comm,
+                                                               agg_grad=False),
+        "CentralizedAdam": lambda: optim.CentralizedAdam(model=net, lr=0.01, comm=comm),
+        "Custom": lambda: optim.CustomCentralizedOptimizer(
+            net, None, torch.optim.SGD(net.parameters(), lr=0.1), average_world=True,
+            comm=comm),
+        "PowerSGD": lambda: optim.PowerSGD(model=net, lr=0.1, rank=1, comm=comm),
+        "DecentralizedSGD": lambda: optim.DecentralizedSGD(neighbors=neighbors, model=net,
+                                                           lr=0.1, comm=comm),
+        "SparsifiedSGD": lambda: optim.SparsifiedSGD(net.parameters(), lr=0.1, comm=comm),
+        "CentralizedSparsifiedSGD": lambda: optim.CentralizedSparsifiedSGD(
+            net.parameters(), lr=0.1, comm=comm),
+        "SignSGD": lambda: optim.SignSGD(net.parameters(), lr=0.01, comm=comm),
+    }
+
+
+ORDER = {"CentralizedSGD-weights": ["opt_step", "agg"], "DecentralizedSGD": ["opt_step", "agg"]}
+
+
+@pytest.mark.parametrize("name", sorted(_every_preset(hl.MPI_SELF, nn.Linear(1, 1))))
+def test_step_takes_an_mlbench_tracker(comm, name):
+    """step(tracker=...) with mlbench's Tracker (record_batch_agg / record_batch_opt_step, no
+    add_bytes) in every preset; heatlike's Tracker also gets the bytes."""
+    net = _net()
+    opt = _every_preset(comm, net)[name]()
+    for tracker in (_MlbenchTracker(), hl.utils.Tracker()):
+        x, y = _data(comm.rank, B)
+        opt.zero_grad()
+        if isinstance(tracker, hl.utils.Tracker):
+            tracker.batch_start()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step(tracker=tracker)
+        if isinstance(tracker, _MlbenchTracker):
+            assert tracker.batch_times == ORDER.get(name, ["agg", "opt_step"])
+        else:
+            assert set(tracker._current["phases"]) == {"agg", "opt_step"}
+            assert tracker.step_bytes  # add_bytes was called (one rank may send nothing)
+            assert sum(tracker.step_bytes.values()) > 0 or comm.size == 1
+            tracker.batch_end()
+            assert tracker.get_total_communication_time() > 0
+
+
+def test_fp16_optimizer_takes_an_mlbench_tracker(comm):
+    model = nn.Sequential(nn.Linear(6, 3)).half()
+    fp = optim.FP16Optimizer(model, average_world=True, comm=comm)
+    fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1))
+    tracker = _MlbenchTracker()
+    x, y = _data(comm.rank, B)
+    fp.backward_loss(nn.functional.cross_entropy(model(x.half()).float(), y))
+    assert fp.step(tracker=tracker)
+    assert tracker.batch_times == ["agg", "opt_step"]
+
+
+@pytest.mark.parametrize("agg_grad", [True, False], ids=["gradients", "weights"])
+def test_initial_weights_are_rank_0s(comm, agg_grad):
+    """Differences from mlbench that stay: rank 0's initialization is broadcast in both modes
+    (mlbench never made them equal in gradient mode and averaged them in weight mode);
+    world_size defaults to the communicator's size."""
+    net = _net(seed=comm.rank)
+    rank0 = _flat(_net(seed=0))
+    opt = optim.CentralizedSGD(model=net, lr=0.1, agg_grad=agg_grad, comm=comm)
+    assert torch.equal(_flat(net), rank0)
+    assert opt.world_size == comm.size
+
+
+@pytest.mark.parametrize("per_rank", [False, True], ids=["gradient-mode", "agg_grad=False"])
+def test_clipping_between_backward_and_step(comm, per_rank):
+    """Averaging happens during backward, so clip_grad_norm_ between backward() and step()
+    clips the average; with agg_grad=False the gradients are still each rank's own, so the same
+    line clips per rank (for SGD, with or without momentum, averaging the weights after the local
+    step is averaging the clipped gradients)."""
+    P, clip = comm.size, 0.05
+    ref_net, net = _net(), _net()
+    ref = torch.optim.SGD(ref_net.parameters(), lr=0.5, momentum=0.9)
+    opt = optim.CentralizedSGD(model=net, lr=0.5, momentum=0.9, agg_grad=not per_rank,
+                               comm=comm)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        grads = []
+        for q in range(P):
+            ref_net.zero_grad()
+            nn.functional.cross_entropy(ref_net(x[q * B:(q + 1) * B]),
+                                        y[q * B:(q + 1) * B]).backward()
+            if per_rank:
+                nn.utils.clip_grad_norm_(ref_net.parameters(), clip)
+            grads.append([p.grad.clone() for p in ref_net.parameters()])
+        for i, p in enumerate(ref_net.parameters()):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        if not per_rank:
+            nn.utils.clip_grad_norm_(ref_net.parameters(), clip)
+        ref.step()
+        opt.zero_grad()
+        mine = slice(comm.rank * B, (comm.rank + 1) * B)
+        nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+        nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        torch.testing.assert_close(_flat(net), _flat(ref_net), **TOL, msg=f"step {step}")
+
+
+def test_sums_where_mlbench_refused(comm):
+    """mlbench raised NotImplementedError for PowerSGD(average_world=False) and for
+    FP16Optimizer without an averaging mode; here they sum the gradients over the ranks."""
+    P = comm.size
+    _compare(comm, lambda m: optim.PowerSGD(model=m, lr=0.02, rank=64, average_world=False,
+                                            comm=comm),
+             lambda m: torch.optim.SGD(m.parameters(), lr=0.02), loss_scale=P,
+             tol=dict(rtol=1e-4, atol=1e-5))
+    results = []
+    for average_world in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).half()
+        fp = optim.FP16Optimizer(model, average_world=average_world, comm=comm)
+        fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1 if average_world else 0.1 / P))
+        x, y = _data(comm.rank, B)
+        fp.backward_loss(nn.functional.cross_entropy(model(x.half()).float(), y))
+        assert fp.step()
+        results.append(fp.fp32_params.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("divide_before", [False, True])
+def test_fp16_average_custom(comm, divide_before):
+    """FP16Optimizer(average_custom=True): the sum formed during backward, divided by
+    step(denom=); denom = 2P gives half the average_world step."""
+    P = comm.size
+    results = []
+    for custom in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).half()
+        fp = optim.FP16Optimizer(model, average_world=not custom, average_custom=custom,
+                                 divide_before=divide_before, comm=comm)
+        fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1 if custom else 0.05))
+        x, y = _data(comm.rank, B)
+        fp.backward_loss(nn.functional.cross_entropy(model(x.half()).float(), y))
+        assert fp.step(denom=torch.tensor(2.0 * P) if custom else None)
+        results.append(fp.fp32_params.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=2e-3, atol=2e-4)
+
+
+def test_step_returns_the_closures_loss(comm):
+    """step(closure) re-evaluates through the closure (whose backward is averaged like any
+    other) and returns its loss; mlbench's CustomCentralizedOptimizer returned True."""
+    net, ref_net = _net(), _net()
+    opt = optim.CustomCentralizedOptimizer(net, None, torch.optim.SGD(net.parameters(), lr=0.1),
+                                           average_world=True, comm=comm)
+    ref = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+    x, y = _data(0, comm.size * B)
+    mine = slice(comm.rank * B, (comm.rank + 1) * B)
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x[mine]), y[mine])
+        loss.backward()
+        return loss
+
+    before = _flat(net)
+    loss = opt.step(closure)
+    with torch.no_grad():
+        assert isinstance(loss, torch.Tensor) and not torch.equal(before, _flat(net))
+        torch.testing.assert_close(loss, nn.functional.cross_entropy(_net()(x[mine]), y[mine]))
+    ref.zero_grad()
+    nn.functional.cross_entropy(ref_net(x), y).backward()
+    ref.step()
+    torch.testing.assert_close(_flat(net), _flat(ref_net), **TOL)
 
 
 _DIGITS = {}

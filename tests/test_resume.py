@@ -1,15 +1,21 @@
 """Resume in a new process (examples/resume.py under mpiexec): a run stopped after k steps and
 started again ends with the same parameters, bit for bit, as a run never stopped; so does a run
-whose rank was killed between two checkpoints; a checkpoint loads at another world size."""
+whose rank was killed between two checkpoints; a checkpoint loads at another world size; a save
+interrupted by a signal leaves no temporary file."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_launch import mpiexec
 
+import heatlike as hl
 from heatlike.testing.matrix import _clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +48,7 @@ CASES = [("allreduce", 2, 2, 50, {}),
          ("distopt-sparse", 2, 2, 50, {})]
 
 
+@pytest.mark.slow  # three training runs under mpiexec
 @pytest.mark.parametrize("name,ranks,epochs,stop,env", CASES, ids=[c[0] for c in CASES])
 def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, name, ranks, epochs, stop, env):
     common = ["--algorithm", name, "--epochs", epochs]
@@ -54,6 +61,7 @@ def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path, name, ranks, epo
     assert _digest(second) == _digest(straight)
 
 
+@pytest.mark.slow  # three training runs under mpiexec
 def test_a_kill_between_checkpoints_resumes_from_the_last_complete_one(tmp_path):
     path = tmp_path / "c.ckpt"
     common = ["--algorithm", "allreduce", "--epochs", 2, "--checkpoint", path]
@@ -66,6 +74,7 @@ def test_a_kill_between_checkpoints_resumes_from_the_last_complete_one(tmp_path)
     assert _digest(resumed) == _digest(straight)
 
 
+@pytest.mark.slow  # two training runs under mpiexec
 def test_a_checkpoint_loads_at_another_world_size(tmp_path):
     path = tmp_path / "e.ckpt"
     common = ["--algorithm", "topk-1%", "--epochs", 2, "--checkpoint", path]
@@ -74,3 +83,68 @@ def test_a_checkpoint_loads_at_another_world_size(tmp_path):
     assert "saved at 2 ranks, loaded at 3" in out and "reset: optimizer.engine" in out, out
     accuracy = float(re.findall(r"test accuracy: ([\d.]+)", out)[-1])
     assert accuracy > 0.85, out
+
+
+SAVER = """
+import os, sys, time
+from pathlib import Path
+import torch
+import heatlike as hl
+from heatlike.utils import checkpoint
+
+comm = hl.MPI_WORLD
+path = Path(sys.argv[1])
+net = torch.nn.Linear(256, 256)
+checkpoint.save(path, net, comm=comm, step=1)
+
+
+def slowly(real):
+    def call(*args, **kwargs):
+        time.sleep(120)  # a slow disk, a slow rank: the temporary file exists meanwhile
+        return real(*args, **kwargs)
+    return call
+
+
+if comm.size == 1:
+    checkpoint.os.fsync = slowly(os.fsync)
+elif comm.rank == comm.size - 1:
+    checkpoint._send_bytes = slowly(checkpoint._send_bytes)
+if comm.rank == 0:
+    (path.parent / "pid").write_text(str(os.getpid()))
+checkpoint.save(path, net, comm=comm, step=2)
+print("saved twice", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks,signum", [(1, signal.SIGTERM), (2, signal.SIGTERM),
+                                          (2, signal.SIGINT)], ids=["1-TERM", "2-TERM", "2-INT"])
+def test_a_save_interrupted_by_a_signal_leaves_no_temporary_file(tmp_path, ranks, signum):
+    """SIGTERM/SIGINT to rank 0 while it writes a checkpoint (waiting for a slow disk at one
+    rank, for the last rank's part at two): the job ends at once, the temporary file is gone and
+    the previous checkpoint is intact."""
+    from heatlike.utils import checkpoint
+
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER)
+    path = tmp_path / "run.ckpt"
+    proc = subprocess.Popen([mpiexec(), "-n", str(ranks), sys.executable, "-m", "heatlike",
+                             str(script), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**_clean_env(), "HEATLIKE_LOG_RANKS": "0"})
+    try:
+        deadline = time.monotonic() + 150
+        while not ((tmp_path / "pid").exists() and
+                   any(p.name.endswith(".tmp") for p in tmp_path.iterdir())):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        time.sleep(0.5)  # well inside the slow part
+        os.kill(int((tmp_path / "pid").read_text()), signum)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0 and "saved twice" not in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pid", "run.ckpt", "saver.py"], out
+    state = checkpoint.load(path, torch.nn.Linear(256, 256), comm=hl.MPI_SELF, rng=False)
+    assert state["step"] == 1

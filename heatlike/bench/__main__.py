@@ -14,8 +14,9 @@ Suites:
 
 Figures are medians over interleaved rounds, each round timed by its slowest rank. --quick is a
 smoke run (fewer sizes, repetitions and epochs; one algorithm per communication pattern): under
-two minutes for `all` at 4 ranks on 2 cores. Tables go to stdout and progress bars to
-stderr, on rank 0 only.
+two minutes for `all` at 4 ranks on 2 cores. Tables go to stdout, on rank 0 only; progress bars
+go to rank 0's stderr when stdout and stderr are terminals (under mpiexec they are pipes: pass
+--progress for bars, which then share the output with the tables).
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                           "DataParallel with blocking updates)")
     out.add_argument("--trace-steps", type=int, default=5, metavar="N",
                      help="steps traced by --trace (default 5)")
-    out.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bars = out.add_mutually_exclusive_group()
+    bars.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="progress bars on rank 0's stderr even when the output is not a "
+                           "terminal (default: only on a terminal)")
+    bars.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="no progress bars")
     train = p.add_argument_group("algorithms, tta, costmodel")
     train.add_argument("--algorithms", metavar="A,B,...",
                        help="comma-separated algorithms of heatlike.bench.workloads.ALGORITHMS, "
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         p.error(str(error))
     names = list(SUITES) if "all" in args.suites else list(dict.fromkeys(args.suites))
-    set_progress(not args.no_progress)
+    set_progress(args.progress)
     world = MPI.COMM_WORLD
     detect_layout(world)
     options = {

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from ..core.env import env_int, env_int_list
+
 __all__ = ["Record", "Results", "timed_rounds", "describe_environment", "topology_label",
            "progress", "say", "set_progress", "oversubscription_note"]
 
@@ -142,12 +144,12 @@ def topology_label(size: int | None = None) -> str:
     """How the ranks are laid out: the emulation set by ``HEATLIKE_NODE_IDS`` /
     ``HEATLIKE_RANKS_PER_NODE`` if any, else the real nodes (:func:`detect_layout`)."""
     size = MPI.COMM_WORLD.Get_size() if size is None else size
-    explicit = os.environ.get("HEATLIKE_NODE_IDS", "").strip()
-    if explicit:
-        return _describe_nodes(explicit.split(","), emulated=True)
-    per_node = os.environ.get("HEATLIKE_RANKS_PER_NODE", "").strip()
-    if per_node.isdigit() and int(per_node) > 0:
-        return _describe_nodes([r // int(per_node) for r in range(size)], emulated=True)
+    explicit = env_int_list("HEATLIKE_NODE_IDS")
+    if explicit is not None:
+        return _describe_nodes(explicit, emulated=True)
+    per_node = env_int("HEATLIKE_RANKS_PER_NODE", None, minimum=1)
+    if per_node is not None:
+        return _describe_nodes([r // per_node for r in range(size)], emulated=True)
     return _REAL_LAYOUT or "as launched"
 
 
@@ -194,13 +196,24 @@ def describe_environment(comm: MPI.Intracomm = MPI.COMM_WORLD) -> str:
 
 # -- console output: tables on stdout, progress bars on stderr, rank 0 only ---------------------
 
-_PROGRESS = True
+_PROGRESS: bool | None = None  # None: only when stdout and stderr are terminals
 
 
-def set_progress(enabled: bool) -> None:
-    """Turn the progress bars on or off (``--no-progress``)."""
+def set_progress(enabled: bool | None) -> None:
+    """Turn the progress bars on (``--progress``), off (``--no-progress``), or, with None (the
+    default), on only when stdout and stderr are terminals: bars written into a file or a pipe
+    next to the tables would tangle with them (under MPICH's mpiexec both are pipes)."""
     global _PROGRESS
     _PROGRESS = enabled
+
+
+def _bars() -> bool:
+    if _PROGRESS is not None:
+        return _PROGRESS
+    try:
+        return sys.stdout.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # closed or replaced streams
+        return False
 
 
 def _rank0() -> bool:
@@ -208,9 +221,9 @@ def _rank0() -> bool:
 
 
 def progress(items: Iterable, desc: str, total: int | None = None) -> Iterator:
-    """``items`` with a tqdm progress bar on rank 0's stderr (plain iteration elsewhere, or
-    without tqdm)."""
-    if not (_PROGRESS and _rank0()):
+    """``items`` with a tqdm progress bar on rank 0's stderr (plain iteration elsewhere, when
+    the bars are off, see :func:`set_progress`, or without tqdm)."""
+    if not (_rank0() and _bars()):
         return iter(items)
     try:
         from tqdm import tqdm
@@ -224,7 +237,7 @@ def say(line: str = "") -> None:
     """Print a line on rank 0's stdout without breaking an active progress bar."""
     if not _rank0():
         return
-    tqdm = _tqdm() if _PROGRESS else None
+    tqdm = _tqdm() if _bars() else None
     if tqdm is not None:
         tqdm.write(line, file=sys.stdout)
         sys.stdout.flush()

@@ -25,6 +25,7 @@ from mpi4py import MPI
 from torch import nn
 
 from ..core.communication import MPI_WORLD
+from ..core.env import env_str
 from ..engine.links import SimulatedLink, SlowLinkAllReduce
 from ..nn import DataParallel, DataParallelMultiGPU
 from ..optim import DASO, DataParallelOptimizer
@@ -92,8 +93,7 @@ def _run(kind: str, epochs: int, link: SimulatedLink | None, data) -> tuple:
 
 def run(results: Results, quick: bool = False, slow_link: str | None = None) -> None:
     """Run the suite; nodes are emulated only while it runs (the environment is restored)."""
-    emulate = "HEATLIKE_RANKS_PER_NODE" not in os.environ and \
-        "HEATLIKE_NODE_IDS" not in os.environ
+    emulate = env_str("HEATLIKE_RANKS_PER_NODE") is None and env_str("HEATLIKE_NODE_IDS") is None
     if emulate:
         os.environ["HEATLIKE_RANKS_PER_NODE"] = str(max(1, -(-MPI.COMM_WORLD.Get_size() // 2)))
     try:

@@ -2,8 +2,9 @@
 
 Asked of the library itself, never guessed from environment variables:
 
-1. ``HEATLIKE_CUDA_AWARE_MPI=1`` or ``=0`` overrides everything (for libraries that do not export
-   a query function, or to force host staging when a library's GPU path misbehaves).
+1. ``HEATLIKE_CUDA_AWARE_MPI=1`` or ``=0`` (or another flag word: true/false, on/off, yes/no)
+   overrides everything (for libraries that do not export a query function, or to force host
+   staging when a library's GPU path misbehaves).
 2. Otherwise the symbols of the libmpi already loaded by mpi4py are looked up through ctypes:
    ``MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &flag)`` (MPICH >= 4) and then
    ``MPIX_Query_cuda_support()`` (Open MPI, older MPICH). A library that exports neither is treated
@@ -20,6 +21,8 @@ import ctypes
 import os
 
 from mpi4py import MPI
+
+from .env import env_flag
 
 __all__ = ["cuda_aware", "query_library", "refresh"]
 
@@ -71,14 +74,7 @@ def query_library() -> bool | None:
 
 
 def _from_environment() -> bool | None:
-    value = os.environ.get("HEATLIKE_CUDA_AWARE_MPI", "").strip().lower()
-    if value == "":
-        return None
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"HEATLIKE_CUDA_AWARE_MPI must be 0 or 1, got {value!r}")
+    return env_flag("HEATLIKE_CUDA_AWARE_MPI", None)
 
 
 def cuda_aware() -> bool:

@@ -9,26 +9,28 @@ A single record can ask to be printed on every rank with ``extra={"all_ranks": T
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 from mpi4py import MPI
 
+from .env import env_choice, env_int_list, env_str
+
 __all__ = ["get_logger", "RankFilter"]
 
 _ROOT = "heatlike"
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _configured = False
 
 
-def _parse_ranks(value: str) -> frozenset[int] | None:
-    value = value.strip().lower()
-    if value in ("all", "*"):
+def _parse_ranks() -> frozenset[int] | None:
+    """``HEATLIKE_LOG_RANKS``: ``all`` (or ``*``: None) or comma-separated ranks (default 0)."""
+    value = env_str("HEATLIKE_LOG_RANKS", "0")
+    if value.lower() in ("all", "*"):
         return None
     try:
-        return frozenset(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(
-            f"HEATLIKE_LOG_RANKS must be 'all' or a list of ranks, got {value!r}") from None
+        return frozenset(env_int_list("HEATLIKE_LOG_RANKS", [0], minimum=0))
+    except ValueError as e:
+        raise ValueError(f"{e}, or 'all'") from None
 
 
 class RankFilter(logging.Filter):
@@ -56,9 +58,9 @@ def _configure() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[rank %(rank)d/%(size)d] %(name)s %(levelname)s: "
                                            "%(message)s"))
-    handler.addFilter(RankFilter(_parse_ranks(os.environ.get("HEATLIKE_LOG_RANKS", "0"))))
+    handler.addFilter(RankFilter(_parse_ranks()))
     root.addHandler(handler)
-    root.setLevel(os.environ.get("HEATLIKE_LOG_LEVEL", "INFO").upper())
+    root.setLevel(env_choice("HEATLIKE_LOG_LEVEL", "INFO", _LEVELS))
     root.propagate = False
     _configured = True
 

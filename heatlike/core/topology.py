@@ -21,38 +21,26 @@ Communicators (all owned by the Topology and freed by :meth:`Topology.free`):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
 from .communication import MPICommunication, sanitize_comm
+from .env import env_int, env_int_list
 
 __all__ = ["Topology", "get_topology", "detect_node_ids", "NeighborGraph"]
 
 
 def _env_node_ids(size: int) -> list[int] | None:
-    explicit = os.environ.get("HEATLIKE_NODE_IDS", "").strip()
-    if explicit:
-        try:
-            ids = [int(v) for v in explicit.split(",")]
-        except ValueError:
-            raise ValueError(f"HEATLIKE_NODE_IDS must be comma-separated integers, "
-                             f"got {explicit!r}") from None
+    ids = env_int_list("HEATLIKE_NODE_IDS")
+    if ids is not None:
         if len(ids) != size:
             raise ValueError(f"HEATLIKE_NODE_IDS lists {len(ids)} ranks but the communicator "
                              f"has {size}")
         return ids
-    per_node = os.environ.get("HEATLIKE_RANKS_PER_NODE", "").strip()
-    if per_node:
-        try:
-            k = int(per_node)
-        except ValueError:
-            k = 0
-        if k <= 0:
-            raise ValueError(f"HEATLIKE_RANKS_PER_NODE must be a positive integer, "
-                             f"got {per_node!r}")
+    k = env_int("HEATLIKE_RANKS_PER_NODE", None, minimum=1)
+    if k is not None:
         return [r // k for r in range(size)]
     return None
 

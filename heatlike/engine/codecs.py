@@ -16,8 +16,8 @@ RandomK(k)         k values at indices drawn from a seed all ranks  yes        s
                    share (``shared=False``: own indices, + index)
 RandomBlock(k)     k consecutive values from a shared random start  yes        scatter
 Threshold(t)       (index, value) of every |x + e| >= t             no         scatter-add
-Sign               1 bit per value                                  no         sum of signs
-Sign(scaled=True)  1 bit per value + mean |x + e|                   no         sum of scaled signs
+Sign               1 bit per value (2 when some rank has zeros)     no         sum of signs
+Sign(scaled=True)  as Sign, + mean |x + e|                          no         sum of scaled signs
 PowerSGD(r)        r (n_i + m_i) per matrix, 1-D tensors as is       two rounds P Q^T
 Clipped(c, v)      clamp to [-v, v], then codec c                   as c       as c
 =================  ==============================================  =========  ===================
@@ -27,7 +27,8 @@ others gather every rank's payload.
 
 Non-finite values are never hidden: when any rank's input (with its residual) holds a NaN or an
 infinity, the decoded result holds one too, on every rank. Codecs whose payload could drop it (a
-sign bit, entries not selected) send one extra value, 0 or NaN, that is added to the result.
+sign bit, entries not selected) send one extra value, 0 or NaN, that is added to the result
+(Sign's marker is also 1 when the input holds a zero; a NaN marker is added all the same).
 So a check of the result (``GradientSync(check_finite=True)``, AMP's ``GradScaler``) sees the
 same verdict on every rank.
 """
@@ -41,7 +42,8 @@ import torch
 from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock", "Threshold", "Sign",
-           "ScaledSign", "PowerSGD", "Clipped"]
+           "ScaledSign", "PowerSGD", "Clipped", "CODEC_NAMES", "codec_from",
+           "codec_error"]
 
 
 class Codec:
@@ -295,8 +297,14 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Sign(_Feedback):
-    """Send one bit per entry, its sign (0 counts as +). The decoded sum is the vote count
-    ``sum_r sign_r`` (the average is in [-1, 1]; SignSGD steps along its sign: majority vote).
+    """Send each entry's sign, -1, 0 or +1 (``sign(0) = 0``: a rank with no opinion on an entry
+    does not vote on it). The decoded sum is the vote count ``sum_r sign_r`` (SignSGD steps along
+    its sign: majority vote, no step on a tie).
+
+    Wire format: one bit per entry (positive or not) and one float32 marker, NaN when the input
+    is not finite (module docstring), 1 when it holds an exact zero, else 0. Only when some rank's
+    marker is 1 does a second round follow, in which every rank sends one more bit per entry
+    (nonzero or not); dense gradients without exact zeros cost 1 bit per entry.
 
     ``scaled=True`` also sends the mean magnitude ``s = mean |x + e|`` and decodes
     ``sum_r s_r sign_r``, which with error feedback is EF-SignSGD's compressor."""
@@ -310,18 +318,29 @@ class Sign(_Feedback):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
-        positive = total >= 0
-        signs = positive.to(x.dtype) * 2 - 1
-        scale = total.abs().mean() if self.scaled and x.numel() else torch.ones((), dtype=x.dtype)
-        self._keep(ctx, total, scale * signs)
-        extra = [scale.reshape(1).to(torch.float32)] if self.scaled else []
-        payload = [pack_bits(positive), torch.cat([*extra, _poison(total)])]
-        gathered = yield Gather(payload)
-        x.zero_()
+        positive = total > 0
+        negative = total < 0
+        nonzero = positive | negative  # NaN counts as neither; the marker carries it
         n = x.numel()
-        for bits, tail in gathered:
-            s = tail[0].to(x.dtype) if self.scaled else 1.0
-            x.add_((unpack_bits(bits, n).to(x.dtype) * 2 - 1) * s + tail[-1].to(x.dtype))
+        marker = _poison(total)
+        if not bool(marker.isnan().any()) and n and not bool(nonzero.all()):
+            marker.fill_(1.0)
+        scale = total.abs().mean() if self.scaled and n else torch.ones((), dtype=x.dtype)
+        self._keep(ctx, total, scale * (positive.to(x.dtype) - negative.to(x.dtype)))
+        extra = [scale.reshape(1).to(torch.float32)] if self.scaled else []
+        gathered = yield Gather([pack_bits(positive), torch.cat([*extra, marker])])
+        markers = torch.stack([tail[-1] for _, tail in gathered])
+        masks = None
+        if bool((markers == 1).any()):  # every rank sees the same markers: all send round two
+            masks = [m for (m,) in (yield Gather([pack_bits(nonzero)]))]
+        x.zero_()
+        for r, (bits, tail) in enumerate(gathered):
+            signs = unpack_bits(bits, n).to(x.dtype) * 2 - 1
+            if masks is not None:
+                signs.mul_(unpack_bits(masks[r], n).to(x.dtype))
+            x.add_(signs * tail[0].to(x.dtype) if self.scaled else signs)
+        if bool(markers.isnan().any()):
+            x.add_(float("nan"))
 
 
 class ScaledSign(Sign):
@@ -439,3 +458,59 @@ class Clipped(Codec):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         yield from self.inner.rounds(x, ctx)
+
+
+# names accepted wherever heatlike takes ``codec=``: lower-case, one codec each
+CODEC_NAMES: dict[str, str] = {
+    "none": "identity", "identity": "identity", "fp32": "identity", "float32": "identity",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+
+
+def codec_from(spec: Codec | str | torch.dtype | None) -> Codec | None:
+    """The codec meant by ``spec``, the one way every ``codec=`` argument of heatlike is read.
+
+    A :class:`Codec` instance is returned as it is and ``None`` stays ``None`` (the caller's
+    default). A name of :data:`CODEC_NAMES`, in any case, builds a fresh codec: ``"none"``,
+    ``"identity"``, ``"fp32"``, ``"float32"`` send the values as they are (:class:`Identity`);
+    ``"bf16"``, ``"bfloat16"`` send bfloat16 and ``"fp16"``, ``"float16"``, ``"half"`` float16
+    (:class:`Cast`, summed with float32 accumulation). A torch dtype means the same
+    (``torch.bfloat16``, ``torch.float16``, ``torch.float32``). Anything else raises
+    ``ValueError`` (an unknown name) or ``TypeError`` (another kind of object, a codec class
+    instead of an instance), listing the valid names. No communication: call sites raise the
+    error on every rank together (``heatlike.core.agreement.raise_together``) before anything is
+    sent.
+    """
+    if spec is None or isinstance(spec, Codec):
+        return spec
+    valid = ", ".join(repr(n) for n in CODEC_NAMES)
+    if isinstance(spec, torch.dtype):
+        if spec is torch.float32:
+            return Identity()
+        if spec in (torch.bfloat16, torch.float16):
+            return Cast(spec)
+        raise ValueError(f"codec={spec} is not a wire type: use torch.bfloat16, torch.float16 "
+                         f"or torch.float32, a name ({valid}) or a heatlike.engine codec")
+    if isinstance(spec, str):
+        kind = CODEC_NAMES.get(spec.strip().lower())
+        if kind is None:
+            raise ValueError(f"unknown codec {spec!r}: use one of {valid}, or a codec instance "
+                             "such as heatlike.engine.TopK(ratio=0.01)")
+        if kind == "identity":
+            return Identity()
+        return Cast(torch.bfloat16 if kind == "bfloat16" else torch.float16)
+    if isinstance(spec, type) and issubclass(spec, Codec):
+        raise TypeError(f"codec={spec.__name__} is a class: pass an instance, e.g. "
+                        f"codec={spec.__name__}(...), or one of the names {valid}")
+    raise TypeError(f"codec must be a heatlike.engine codec, a name ({valid}), a torch dtype "
+                    f"or None, got {type(spec).__name__}")
+
+
+def codec_error(spec: object) -> tuple[Codec | None, Exception | None]:
+    """``(codec_from(spec), None)``, or ``(None, error)`` when ``spec`` is not a codec: for
+    constructors that gather every check into one ``raise_together``."""
+    try:
+        return codec_from(spec), None  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        return None, error

@@ -24,7 +24,7 @@ from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.autotune import autotune
 from ..engine.buckets import pack, unpack
-from ..engine.codecs import Codec
+from ..engine.codecs import Codec, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.replicas import (
     _by_dtype,
@@ -62,9 +62,10 @@ class DataParallel(torch.nn.Module):
         in ``self.autotuned``).
     sync_buffers: before each training forward, ``"broadcast"`` rank 0's buffers (BatchNorm
         statistics, DDP's behaviour), ``"average"`` them, or ``None`` to leave them local.
-    codec: what goes on the wire (default: float32 as is; ``heatlike.engine.Cast(torch.bfloat16)``
-        halves the bytes, averaged with float32 accumulation; ``"auto"`` lets the autotuner
-        choose bfloat16 where it measures it faster).
+    codec: what goes on the wire (default: float32 as is; ``"bf16"`` or
+        ``heatlike.engine.Cast(torch.bfloat16)`` halves the bytes, averaged with float32
+        accumulation; the names are those of :func:`heatlike.engine.codecs.codec_from`;
+        ``"auto"`` lets the autotuner choose bfloat16 where it measures it faster).
     find_unused_parameters: after each training forward, walk the autograd graph from the output
         and launch the buckets of parameters the loss cannot reach at once (DDP's option of the
         same name). Correctness never needs it (unused parameters are handled at the end of
@@ -107,6 +108,8 @@ class DataParallel(torch.nn.Module):
                                f"got {sync_buffers!r}")
         else:
             error = no_trainable_parameters(module, "DataParallel")
+        if error is None and not (isinstance(codec, str) and codec == "auto"):
+            codec, error = codec_error(codec)
         raise_together(error, comm)
         if blocking_parameter_updates is not None:
             optimizer.blocking = blocking_parameter_updates

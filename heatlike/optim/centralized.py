@@ -19,6 +19,14 @@ collective per tensor, as mlbench's ``by_layer``); otherwise tensors share bucke
 ``codec=`` and ``reducer=`` replace the engine's defaults (float32 values, flat all-reduce) for
 any preset, e.g. ``codec=heatlike.engine.Cast(torch.bfloat16)``; ``check_finite=True`` raises
 ``FloatingPointError`` on every rank when the averaged gradients are not finite.
+
+Every preset is a ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`):
+``param_groups``, ``state`` and ``defaults`` are the local optimizer's, so LR schedulers work, and
+``state_dict()`` is torch's with the engine's state under ``"engine"``. ``torch.amp.GradScaler``:
+in gradient mode the averages are in ``.grad`` when the scaler checks them, so every rank makes the
+same decision; in weight mode the scaler calls ``step()`` on every rank and the ranks agree there
+(any rank's non-finite gradient makes every rank skip). Because the averaging happens during
+backward, ``clip_grad_norm_`` between ``backward()`` and ``step()`` clips the average.
 """
 
 from __future__ import annotations
@@ -28,11 +36,19 @@ from torch.optim.optimizer import required
 
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
-from ..engine.codecs import Codec
+from ..engine.codecs import Codec, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
 from ..engine.replicas import broadcast_module, no_trainable_parameters
+from .wrapping import (
+    WrappedOptimizer,
+    amp_skip,
+    materialized_group,
+    synchronized_check,
+    track,
+    unsynchronized_grads,
+)
 
 __all__ = ["GenericCentralizedOptimizer", "CentralizedSGD", "CentralizedAdam",
            "CustomCentralizedOptimizer", "resolve_world_size"]
@@ -56,6 +72,25 @@ def resolve_world_size(world_size: int | None, comm: MPICommunication) -> int:
     return comm.size
 
 
+def forget_nonfinite_state(codec: Codec) -> None:
+    """Drop the parts of a stateful codec's state (error-feedback residuals, warm-start queries)
+    that are not finite. A non-finite gradient (an overflow that ``GradScaler`` skips the step
+    for) passes through the codec during backward; without this its memory would stay NaN and
+    poison every later step. The codec then starts that tensor's memory afresh."""
+    if not codec.stateful:
+        return
+    for state in codec.states.values():
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                if not bool(torch.isfinite(value.sum(dtype=torch.float64))):
+                    del state[key]
+            elif isinstance(value, dict):
+                for k, v in list(value.items()):
+                    if isinstance(v, torch.Tensor) and \
+                            not bool(torch.isfinite(v.sum(dtype=torch.float64))):
+                        del value[k]
+
+
 def _check_lr(lr) -> Exception | None:
     if lr is required:
         return TypeError("lr is required")
@@ -64,18 +99,22 @@ def _check_lr(lr) -> Exception | None:
     return None
 
 
-class GenericCentralizedOptimizer:
+class GenericCentralizedOptimizer(WrappedOptimizer):
     """Centralized (synchronous) data parallelism: aggregate, then step (module docstring).
 
-    Subclasses set ``self.optimizer`` to the local torch optimizer.
+    A ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and ``defaults`` are those of
+    the local torch optimizer, which subclasses assign to ``self.optimizer``; every parameter of
+    it must be one the engine synchronizes (ValueError otherwise, on every rank), and so must
+    every parameter given to :meth:`add_param_group` later.
     """
 
     def __init__(self, world_size: int | None = None, model: torch.nn.Module | None = None,
                  use_cuda: bool = False, by_layer: bool = False, divide_before: bool = False,
                  agg_grad: bool = True, *, comm: MPICommunication | None = None,
-                 codec: Codec | None = None, reducer: Reducer | None = None,
+                 codec: Codec | str | None = None, reducer: Reducer | None = None,
                  bucket_cap_mb: float = 25.0, check_finite: bool = False, _op: str = "avg",
                  _hooks: bool = True) -> None:
+        self._wrap()
         comm = sanitize_comm(comm)
         error = world_size_error(world_size, comm)
         world_size = comm.size
@@ -83,6 +122,8 @@ class GenericCentralizedOptimizer:
             error = TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if error is None:
             error = no_trainable_parameters(model, type(self).__name__)
+        if error is None:
+            codec, error = codec_error(codec)  # a name ("bf16", ...) or a codec
         raise_together(error, comm)
         self.comm = comm
         self.world_size = world_size
@@ -90,7 +131,8 @@ class GenericCentralizedOptimizer:
         self.use_cuda = use_cuda
         self.by_layer = by_layer
         self.agg_grad = agg_grad
-        self.optimizer: torch.optim.Optimizer | None = None
+        self._frozen: list[torch.Tensor] = []  # in the local optimizer, not synchronized
+        self._bytes_reported = 0
         if reducer is None:
             reducer = AllReduce(comm, op=_op, divide_before=divide_before)
         cap = 1e-6 if by_layer else bucket_cap_mb
@@ -101,64 +143,100 @@ class GenericCentralizedOptimizer:
                                      reducer=reducer, hooks=_hooks,
                                      on_backward_end=self._backward_end,
                                      check_finite=check_finite, names=[n for n, _ in named])
+            self._synchronized = list(self.sync.params)
         else:
             self.sync = ParameterSync(list(model.parameters()), comm, codec=codec,
                                       reducer=reducer, bucket_cap_mb=cap)
+            self._synchronized = list(self.sync.tensors)
+            # the gradients are this rank's own when GradScaler checks them: agree in step()
+            self._step_supports_amp_scaling = True
 
     def _backward_end(self) -> None:
         self.sync.synchronize()
+        forget_nonfinite_state(self.sync.codec)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+    # -- the local optimizer and its parameters ----------------------------------------------
 
-    @property
-    def state(self):
-        return self.optimizer.state
+    def _set_local(self, optimizer: torch.optim.Optimizer) -> None:
+        if "sync" not in self.__dict__:  # a subclass assigning before __init__ built the engine
+            raise RuntimeError("assign self.optimizer after GenericCentralizedOptimizer.__init__")
+        error = None
+        if not isinstance(optimizer, torch.optim.Optimizer) or \
+                isinstance(optimizer, WrappedOptimizer):
+            error = TypeError(f"the local optimizer must be a plain torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}")
+            frozen = []
+        else:
+            error, frozen = synchronized_check([p for g in optimizer.param_groups
+                                                for p in g["params"]], self._synchronized,
+                                               type(self).__name__)
+        raise_together(error, self.comm)
+        super()._set_local(optimizer)
+        self._frozen = frozen
 
-    def _aggregate(self, denom: float | None = None) -> None:
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective (every rank adds the same group): add a parameter group to the local
+        optimizer. Its parameters must be ones the engine synchronizes (ValueError on every rank
+        otherwise): the engine is built for the model's parameters at construction."""
+        param_group = materialized_group(param_group)
+        error, frozen = synchronized_check(param_group.get("params", []), self._synchronized,
+                                           type(self).__name__)
+        raise_together(error, self.comm)
+        self._local().add_param_group(param_group)
+        self._frozen += frozen
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    def _aggregate(self) -> None:
         """Complete this step's gradient averaging (every rank takes part)."""
-        if denom is not None:
-            self.sync.reducer.set_denom(denom)
+        launches = not self.sync.seen_backward or self.sync.unsynced  # no backward synced here
         self.sync.participate()
         self.sync.synchronize()
+        if launches:
+            forget_nonfinite_state(self.sync.codec)
 
-    def _track(self, tracker, phase: str) -> None:
-        """Report a finished phase (and, after aggregation, the bytes sent) to ``tracker``."""
-        if tracker is None:
-            return
-        if phase == "agg":
-            sent = self.sync.bytes_sent
-            tracker.add_bytes(sent - getattr(self, "_bytes_reported", 0),
-                              type(self.sync.reducer).__name__)
-            self._bytes_reported = sent
-        tracker.record(phase)
+    def _new_bytes(self) -> int:
+        sent = self.sync.bytes_sent
+        new, self._bytes_reported = sent - self._bytes_reported, sent
+        return new
 
     def step(self, closure=None, tracker=None):
-        """Aggregate the gradients and step (``agg_grad``), or step and average the weights."""
+        """Aggregate the gradients and step (``agg_grad``), or step and average the weights.
+
+        ``tracker``: an mlbench-style tracker; ``record_batch_agg()`` is called after the
+        aggregation, ``record_batch_opt_step()`` after the local step (and ``add_bytes`` with the
+        bytes sent, when the tracker has it)."""
+        return self._centralized_step(closure, tracker)
+
+    def _centralized_step(self, closure, tracker, before_local=None):
+        local = self._local()
+        name = type(self).__name__
         if self.agg_grad:
             self._aggregate()
-            self._track(tracker, "agg")
-            loss = self.optimizer.step(closure)
-            self._track(tracker, "opt_step")
+            track(tracker, "agg", self._new_bytes(), type(self.sync.reducer).__name__)
+            if before_local is not None:
+                before_local()
+            unsynchronized_grads(self._frozen, name)
+            loss = local.step(closure)
+            track(tracker, "opt_step")
             return loss
-        loss = self.optimizer.step(closure)
-        self._track(tracker, "opt_step")
+        if amp_skip(self, self.comm):  # GradScaler found an inf on some rank: all skip
+            return None
+        unsynchronized_grads(self._frozen, name)
+        loss = local.step(closure)
+        track(tracker, "opt_step")
         self.sync.synchronize()
-        self._track(tracker, "agg")
+        track(tracker, "agg", self._new_bytes(), type(self.sync.reducer).__name__)
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """The local optimizer's state and the engine's (bucket plan, counters, codec residuals
-        and warm starts)."""
-        return {"optimizer": self.optimizer.state_dict(), "engine": self.sync.state_dict()}
+    def _engine_state(self) -> dict:
+        """The engine's state: bucket plan, counters, codec residuals and warm starts."""
+        return self.sync.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sync.load_state_dict(state["engine"])
+    def _load_engine_state(self, state: dict) -> None:
+        self.sync.load_state_dict(state)
 
     def __repr__(self) -> str:
         mode = "gradients" if self.agg_grad else "weights"
@@ -196,10 +274,17 @@ class CentralizedAdam(GenericCentralizedOptimizer):
 class CustomCentralizedOptimizer(GenericCentralizedOptimizer):
     """Any torch ``optimizer`` with gradient clipping and a choice of averaging.
 
-    ``average_world``: divide the summed gradients by the world size; ``average_custom``: by the
-    ``denom`` given to each ``step()`` (then the aggregation happens in ``step()``, when it is
-    known); neither: the plain sum. ``divide_before`` divides each rank's contribution first.
-    ``grad_clip``: clip the aggregated gradients to this L2 norm."""
+    Gradient mode (``agg_grad=True``): ``average_world`` divides the summed gradients by the world
+    size; ``average_custom`` by the ``denom`` given to each ``step()``; neither leaves the sum.
+    The sum is formed during backward in every case (``average_custom`` divides by ``denom`` in
+    ``step()``; with ``divide_before`` each rank's contribution is divided by the world size before
+    the sum, for overflow safety, and ``step()`` rescales by ``world_size / denom``).
+    ``grad_clip``: clip the aggregated gradients to this L2 norm.
+
+    Weight mode (``agg_grad=False``): the local step, then the weights are averaged over the
+    world; it needs ``average_world=True`` (a custom denominator or a plain sum would scale the
+    weights: ValueError on every rank).
+    """
 
     def __init__(self, model: torch.nn.Module | None = None, world_size: int | None = None,
                  optimizer: torch.optim.Optimizer | None = None, use_cuda: bool = False,
@@ -208,8 +293,9 @@ class CustomCentralizedOptimizer(GenericCentralizedOptimizer):
                  divide_before: bool = False, **engine) -> None:
         comm = sanitize_comm(engine.get("comm"))
         error = None
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            error = TypeError(f"optimizer must be a torch.optim.Optimizer, got "
+        if not isinstance(optimizer, torch.optim.Optimizer) or \
+                isinstance(optimizer, WrappedOptimizer):
+            error = TypeError(f"optimizer must be a plain torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}")
         elif average_world and average_custom:
             error = ValueError("choose one of average_world and average_custom")
@@ -217,28 +303,41 @@ class CustomCentralizedOptimizer(GenericCentralizedOptimizer):
             error = ValueError("divide_before needs average_world or average_custom")
         elif not grad_clip > 0:
             error = ValueError(f"grad_clip must be positive, got {grad_clip!r}")
+        elif not agg_grad and not average_world:
+            error = ValueError(
+                "agg_grad=False averages the weights over the ranks after the local step: pass "
+                "average_world=True (" + ("average_custom divides by a per-step denominator, "
+                "which would scale the weights" if average_custom else
+                "without an averaging mode the weights would be summed over the ranks") + ")")
         raise_together(error, comm)
-        op = "avg" if average_world else "custom_avg" if average_custom else "sum"
+        if average_world or (average_custom and divide_before):
+            op = "avg"
+        else:
+            op = "sum"
         super().__init__(world_size, model, use_cuda, by_layer, divide_before, agg_grad,
-                         _op=op, _hooks=not average_custom, **engine)
-        self.optimizer = optimizer
+                         _op=op, **engine)
         self.grad_clip = grad_clip
+        self.average_world = average_world
         self.average_custom = average_custom
+        self.divide_before = divide_before
+        self.optimizer = optimizer
 
     def step(self, closure=None, tracker=None, denom=None):
-        """Aggregate (dividing by ``denom`` with ``average_custom``), clip, step."""
-        if self.average_custom and self.agg_grad:
+        """Aggregate (dividing by ``denom`` with ``average_custom``), clip, step (collective
+        check of ``denom``: ValueError on every rank unless it is positive on every rank)."""
+        if self.average_custom:
             raise_together(None if denom is not None and float(denom) > 0 else
                            ValueError("average_custom needs a positive denom in step()"),
                            self.comm)
-        if not self.agg_grad:
-            return super().step(closure, tracker)
-        self._aggregate(float(denom) if self.average_custom else None)
-        self._track(tracker, "agg")
-        if self.grad_clip != float("inf"):
-            params = [p for g in self.optimizer.param_groups for p in g["params"]
-                      if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        loss = self.optimizer.step(closure)
-        self._track(tracker, "opt_step")
-        return loss
+
+        def before_local() -> None:
+            params = [p for p in self.sync.params if p.grad is not None]
+            if self.average_custom:
+                factor = (self.sync.reducer.denom if self.divide_before else 1.0) / float(denom)
+                with torch.no_grad():
+                    for p in params:
+                        p.grad.mul_(factor)
+            if self.grad_clip != float("inf"):
+                torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+
+        return self._centralized_step(closure, tracker, before_local)

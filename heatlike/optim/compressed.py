@@ -9,8 +9,9 @@
 * :class:`SparsifiedSGD`: the same memory and sparsified update with a random block shared by all
   ranks (so only values travel and are summed), plus the weighted average of the iterates of
   Stich et al. (2018), :meth:`~SparsifiedSGD.get_estimated_weights`.
-* :class:`SignSGD`: SGD direction (momentum as torch's SGD), one bit per coordinate; the ranks'
-  signs are combined by majority vote and every rank steps ``lr * sign(vote)``.
+* :class:`SignSGD`: SGD direction (momentum as torch's SGD), its sign per coordinate (-1, 0 or
+  +1: a zero or missing gradient casts no vote); the ranks' signs are combined by majority vote
+  and every rank steps ``lr * sign(vote)``.
 
 The memory is the codec's error-feedback residual, kept per tensor in its ``state_dict()``.
 mlbench's bugs are not copied: user initializations are kept (only made equal on all ranks),
@@ -26,10 +27,18 @@ from torch.optim.optimizer import required
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine import codecs
+from ..engine.exchange import Context
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
 from .centralized import GenericCentralizedOptimizer, _check_lr, world_size_error
+from .wrapping import (
+    amp_skip,
+    materialized_group,
+    synchronized_check,
+    track,
+    unsynchronized_grads,
+)
 
 __all__ = ["PowerSGD", "CentralizedSparsifiedSGD", "SparsifiedSGD", "SignSGD"]
 
@@ -64,7 +73,16 @@ class PowerSGD(GenericCentralizedOptimizer):
 class _UpdateSync(torch.optim.Optimizer):
     """A torch optimizer whose per-step update of every parameter goes through the engine: the
     update is written to ``.grad``, exchanged (codec + reducer, one bucket per tensor), and the
-    result applied (the base of the sparsified and sign optimizers)."""
+    result applied (the base of the sparsified and sign optimizers).
+
+    It is its own local optimizer: ``param_groups``, ``state``, ``defaults`` are torch's, and
+    ``state_dict()`` is torch's with the engine's state (the codecs' memory) under ``"engine"``.
+    Every parameter is synchronized; ``add_param_group`` refuses parameters the engine was not
+    built with (ValueError on every rank). ``torch.amp.GradScaler``: the gradients are each rank's
+    own when the scaler checks them, so the scaler calls ``step()`` on every rank
+    (``_step_supports_amp_scaling``) and the ranks agree there: any rank's non-finite gradient
+    makes every rank skip the step, nothing exchanged and no memory changed.
+    """
 
     def __init__(self, params, defaults: dict, comm: MPICommunication | None,
                  world_size: int | None, codec: codecs.Codec, op: str) -> None:
@@ -79,21 +97,56 @@ class _UpdateSync(torch.optim.Optimizer):
         self.sync = GradientSync(plist, comm, 1e-6, 1e-6, codec=codec,
                                  reducer=AllReduce(comm, op=op), hooks=False,
                                  grad_as_bucket_view=False)
+        self._synchronized = {id(p) for p in self.sync.params}
+        _, self._frozen = synchronized_check(plist, self.sync.params, type(self).__name__)
+        self._step_supports_amp_scaling = True
+        self._bytes_reported = 0
 
-    def _exchange_and_apply_sgd_updates(self) -> None:
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective once the optimizer is built: the engine synchronizes the parameters it was
+        built with, so a group of other parameters raises ValueError on every rank."""
+        if "sync" not in self.__dict__:  # torch's __init__ adding the initial groups
+            super().add_param_group(param_group)
+            return
+        group = materialized_group(param_group)
+        error, frozen = synchronized_check(group.get("params", []), self.sync.params,
+                                           type(self).__name__)
+        raise_together(error, self.comm)
+        super().add_param_group(group)
+        self._frozen += frozen
+
+    def _synced(self):
+        """(group, parameter) for every synchronized parameter that has a gradient."""
+        unsynchronized_grads(self._frozen, type(self).__name__)
+        return [(group, p) for group in self.param_groups for p in group["params"]
+                if p.grad is not None and id(p) in self._synchronized]
+
+    def _open_step(self, closure) -> tuple:
+        """Evaluate ``closure`` (with gradients on) and decide, on every rank alike, whether a
+        GradScaler that found non-finite gradients skips this step: ``(loss, skip)``."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        return loss, amp_skip(self, self.comm, self.sync.params)
+
+    def _exchange_and_apply_sgd_updates(self, tracker=None) -> None:
         """``p -= combine_r(lr (g_r + wd p))`` for every parameter with a gradient, the update
         going through the codec (with its memory) and the reducer."""
-        updates = {p: (p.grad + group["weight_decay"] * p).mul_(group["lr"])
-                   for group in self.param_groups for p in group["params"] if p.grad is not None}
-        self._exchange_updates(updates)
+        updates = {}
+        for group, p in self._synced():
+            wd, lr = group["weight_decay"], group["lr"]
+            updates[p] = p.grad.mul(lr) if not wd else p.grad.add(p, alpha=wd).mul_(lr)
+        self._exchange_updates(updates, tracker)
         for p in self.sync.params:
             if p.grad is not None:
                 p.sub_(p.grad)
         self._restore_grads()
+        track(tracker, "opt_step")
 
-    def _exchange_updates(self, updates: dict) -> None:
+    def _exchange_updates(self, updates: dict, tracker=None) -> None:
         """Exchange the updates (param -> tensor) through the engine; afterwards each
-        parameter's ``.grad`` holds the combined update."""
+        parameter's ``.grad`` holds the combined update (None where no rank had one)."""
         saved = {}
         for p in self.sync.params:
             saved[p] = p.grad
@@ -101,6 +154,9 @@ class _UpdateSync(torch.optim.Optimizer):
         self.sync.launch_all()
         self.sync.synchronize()
         self._saved = saved
+        sent = self.sync.bytes_sent
+        track(tracker, "agg", sent - self._bytes_reported, type(self.sync.reducer).__name__)
+        self._bytes_reported = sent
 
     def _restore_grads(self) -> None:
         for p, g in self._saved.items():
@@ -139,11 +195,18 @@ class CentralizedSparsifiedSGD(_UpdateSync):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, comm, world_size,
                          codec, "avg" if average_world else "sum")
         self.sparse_grad_size = sparse_grad_size
+        self.random_sparse = random_sparse
+        self.average_world = average_world
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        self._exchange_and_apply_sgd_updates()
+    def step(self, closure=None, tracker=None):
+        """Collective: exchange every parameter's sparsified update and apply the combination
+        (``tracker``: ``record_batch_agg()`` after the exchange, ``record_batch_opt_step()``
+        after the update)."""
+        loss, skip = self._open_step(closure)
+        if skip:
+            return loss
+        self._exchange_and_apply_sgd_updates(tracker)
         return loss
 
 
@@ -160,9 +223,23 @@ class SparsifiedSGD(_UpdateSync):
     of ``sparse_grad_size`` coordinates of m per tensor, the same block on every rank, is averaged
     over the ranks, applied and removed from m.
 
-    :meth:`get_estimated_weights` returns the weighted average of the iterates,
+    mlbench's call protocol, one training step::
+
+        loss.backward()
+        optimizer.step()                                   # collective
+        optimizer.update_estimated_weights(t, sparse_grad_size)
+
+    :meth:`update_estimated_weights` (called by the training loop, never by ``step()``) keeps the
+    weighted average of the iterates that :meth:`get_estimated_weights` returns,
     ``est <- (1 - rho) est + rho p``, ``rho_t = 6 (t + tau)^2 / ((1 + t)(6 tau^2 + t + 6 tau t +
-    2 t^2))``, ``tau = d / k`` for a tensor of d elements."""
+    2 t^2))``, ``tau = d / min(k, d)`` for a tensor of d elements.
+
+    A loop that aggregates by itself calls :meth:`sparsify_gradients` for every parameter after
+    backward, combines the returned coordinates across ranks, writes the average into ``.grad``
+    and calls ``step()``, which then applies ``p -= p.grad`` to every parameter with a gradient and
+    sends nothing (mlbench's ``SparsifiedSGD.step``). All ranks must use the same protocol in a
+    step (the first one is collective, the second has the loop's own communication).
+    """
 
     def __init__(self, params, lr=required, weight_decay: float = 0, sparse_grad_size: int = 10,
                  *, comm: MPICommunication | None = None, random_sparse: bool = False) -> None:
@@ -174,34 +251,104 @@ class SparsifiedSGD(_UpdateSync):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, comm, None, codec,
                          "avg")
         self.sparse_grad_size = sparse_grad_size
-        self.iteration = 0
-        for p in self.sync.params:
-            self.state[p]["estimated_weights"] = p.detach().clone()
+        self.num_coordinates = sparse_grad_size  # mlbench's name
+        self.random_sparse = random_sparse
+        self._sparsified = False  # sparsify_gradients called since the last step
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["estimated_weights"] = p.detach().clone()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        self._exchange_and_apply_sgd_updates()
-        self.update_estimated_weights(self.iteration, self.sparse_grad_size)
-        self.iteration += 1
+    def step(self, closure=None, tracker=None):
+        """Collective (unless :meth:`sparsify_gradients` was called since the last step): add
+        ``lr (g + wd p)`` to every parameter's memory, average a block of it over the ranks and
+        apply it. After :meth:`sparsify_gradients`: ``p -= p.grad`` for every parameter with a
+        gradient, nothing sent. The estimated weights are not touched (the loop calls
+        :meth:`update_estimated_weights`)."""
+        loss, skip = self._open_step(closure)
+        if skip:
+            self._sparsified = False
+            return loss
+        if self._sparsified:
+            self._sparsified = False
+            for _, p in self._synced():
+                p.sub_(p.grad)
+            track(tracker, "opt_step")
+            return loss
+        self._exchange_and_apply_sgd_updates(tracker)
         return loss
 
+    @torch.no_grad()
+    def sparsify_gradients(self, param: torch.nn.Parameter, lr: float) -> torch.Tensor:
+        """Add ``lr (param.grad + weight_decay param)`` to ``param``'s memory and take k
+        (``sparse_grad_size``) of its coordinates out of it; no communication.
+
+        The coordinates are those ``step()`` would send: a random block, or with
+        ``random_sparse`` random coordinates, drawn from the engine's generator for this tensor
+        and step, the same on every rank. Returns, in float64 (exact for any index and
+        value), mlbench's layouts over ``param.view(-1)``: a block as a ``(1, 1 + k)`` tensor
+        ``[start, values...]``, random coordinates as a ``(2, k)`` tensor ``[indices; values]``.
+        The memory is the one ``step()`` uses, and is in :meth:`state_dict`."""
+        buckets = self.sync.buckets_of([param])
+        if not buckets:
+            raise ValueError("sparsify_gradients: the parameter is not one this optimizer "
+                             "synchronizes")
+        b = buckets[0]
+        group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        n = param.numel()
+        update = torch.zeros(n, dtype=param.dtype, device=param.device) if param.grad is None \
+            else param.grad.reshape(-1).to(param.dtype)
+        if group["weight_decay"]:
+            update = update.add(param.reshape(-1), alpha=group["weight_decay"])
+        state = self.sync.codec.state_for(b)
+        memory = state.get("residual")
+        total = update.mul(lr) if memory is None or memory.shape != (n,) else \
+            memory.add(update, alpha=lr)
+        # the choice the engine's next exchange of this tensor would make (its counter, saved in
+        # the engine's state, advances as if it had run)
+        step = self.sync._exchanges[b]
+        self.sync._exchanges[b] = step + 1
+        ctx = Context(key=b, shapes=[param.shape], size=self.comm.size, rank=self.comm.rank,
+                      step=step, seed=self.sync.seed)
+        codec = self.sync.codec
+        k = min(self.sparse_grad_size, n)
+        chosen = codec._select(n, k, ctx.generator(shared=codec.shared), param.device)
+        values = total[chosen].to(torch.float64)
+        total[chosen] = 0
+        state["residual"] = total
+        self._sparsified = True
+        if isinstance(chosen, slice):
+            out = torch.empty(1, 1 + k, dtype=torch.float64, device=param.device)
+            out[0, 0] = chosen.start
+            out[0, 1:] = values
+        else:
+            out = torch.empty(2, k, dtype=torch.float64, device=param.device)
+            out[0] = chosen.to(torch.float64)
+            out[1] = values
+        return out
+
+    @torch.no_grad()
     def update_estimated_weights(self, iteration: int, sparse_vector_size: int) -> None:
+        """``est <- (1 - rho_t) est + rho_t p`` with ``t = iteration`` (class docstring)."""
         t = iteration
-        for p in self.sync.params:
-            tau = p.numel() / max(1, min(sparse_vector_size, p.numel()))
-            rho = 6 * (t + tau) ** 2 / ((1 + t) * (6 * tau ** 2 + t + 6 * tau * t + 2 * t ** 2))
-            est = self.state[p]["estimated_weights"]
-            est.mul_(1 - rho).add_(p.detach(), alpha=rho)
+        for group in self.param_groups:
+            for p in group["params"]:
+                tau = p.numel() / max(1, min(sparse_vector_size, p.numel()))
+                rho = 6 * (t + tau) ** 2 / ((1 + t) * (6 * tau ** 2 + t + 6 * tau * t +
+                                                       2 * t ** 2))
+                est = self.state[p]["estimated_weights"]
+                est.mul_(1 - rho).add_(p.detach(), alpha=rho)
 
     def get_estimated_weights(self) -> list[torch.Tensor]:
         """The weighted average of the iterates, one tensor per parameter."""
-        return [self.state[p]["estimated_weights"] for p in self.sync.params]
+        return [self.state[p]["estimated_weights"] for g in self.param_groups
+                for p in g["params"]]
 
 
 class SignSGD(_UpdateSync):
     """Sign SGD with majority vote: direction ``d`` as torch SGD's (weight decay, momentum,
-    dampening, Nesterov); each rank sends ``sign(d)`` (one bit per coordinate) and steps
+    dampening, Nesterov); each rank sends ``sign(d)`` (``sign(0) = 0``: a coordinate on which a
+    rank has no opinion, and a parameter it got no gradient for, get no vote from it) and steps
     ``p <- p - lr * sign(sum of the ranks' signs)`` (no step where the vote ties)."""
 
     def __init__(self, params, lr=required, momentum: float = 0, weight_decay: float = 0,
@@ -217,28 +364,32 @@ class SignSGD(_UpdateSync):
         super().__init__(params, defaults, comm, None, codecs.Sign(), "sum")
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
+    def step(self, closure=None, tracker=None):
+        """Collective: the vote and the step (``tracker``: ``record_batch_agg()`` after the
+        vote, ``record_batch_opt_step()`` after the update)."""
+        loss, skip = self._open_step(closure)
+        if skip:
+            return loss
         directions = {}
+        lrs = {}
+        for group, p in self._synced():
+            d = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else \
+                p.grad.clone()
+            if group["momentum"]:
+                buf = self.state[p].get("momentum_buffer")
+                if buf is None:
+                    buf = self.state[p]["momentum_buffer"] = d.clone()
+                else:
+                    buf.mul_(group["momentum"]).add_(d, alpha=1 - group["dampening"])
+                d = d.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf.clone()
+            directions[p] = d
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad + group["weight_decay"] * p if group["weight_decay"] else \
-                    p.grad.clone()
-                if group["momentum"]:
-                    buf = self.state[p].get("momentum_buffer")
-                    if buf is None:
-                        buf = self.state[p]["momentum_buffer"] = d.clone()
-                    else:
-                        buf.mul_(group["momentum"]).add_(d, alpha=1 - group["dampening"])
-                    d = d + group["momentum"] * buf if group["nesterov"] else buf.clone()
-                directions[p] = d
-        self._exchange_updates(directions)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(torch.sign(p.grad), alpha=-group["lr"])
+                lrs[p] = group["lr"]
+        self._exchange_updates(directions, tracker)
+        for p in self.sync.params:
+            if p.grad is not None:  # some rank voted
+                p.add_(torch.sign(p.grad), alpha=-lrs[p])
         self._restore_grads()
+        track(tracker, "opt_step")
         return loss
-

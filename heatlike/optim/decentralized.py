@@ -19,11 +19,12 @@ from torch.optim.optimizer import required
 from ..core.agreement import raise_together
 from ..core.communication import IN_PLACE, MPICommunication, sanitize_comm
 from ..core.topology import NeighborGraph
-from ..engine.codecs import Codec
+from ..engine.codecs import Codec, codec_error
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import Gossip
 from ..engine.replicas import broadcast_module
 from .centralized import _check_lr
+from .wrapping import WrappedOptimizer, amp_skip, materialized_group, synchronized_check, track
 
 __all__ = ["DecentralizedSGD", "consensus_distance"]
 
@@ -43,13 +44,20 @@ def consensus_distance(model: torch.nn.Module | Sequence[torch.Tensor],
     return float(spread[0]) / comm.size
 
 
-class DecentralizedSGD:
+class DecentralizedSGD(WrappedOptimizer):
     """mlbench's DecentralizedSGD: local SGD step, then gossip with ``neighbors``.
 
     ``rank`` (if given) must be this rank of ``comm``; ``neighbors`` is this rank's neighbor
     list (None: a ring). ``graph=`` takes a :class:`NeighborGraph` instead; ``weights`` chooses
     Metropolis-Hastings (default) or uniform mixing. ``sync_initial`` (default True) starts all
     ranks from rank 0's weights. Rank 0 may have neighbors like any other rank.
+
+    A ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`) whose
+    ``param_groups``, ``state`` and ``defaults`` are the local torch SGD's; ``state_dict()`` is
+    torch's with the gossip's state under ``"engine"``; ``add_param_group`` accepts only model
+    parameters (the gossip mixes the model). ``torch.amp.GradScaler``: the scaler calls
+    ``step()`` on every rank and the ranks agree there, so any rank's non-finite gradient makes
+    every rank skip the step (local step and gossip).
     """
 
     def __init__(self, rank: int | None = None, neighbors: Sequence[int] | None = None,
@@ -57,8 +65,9 @@ class DecentralizedSGD:
                  dampening: float = 0, weight_decay: float = 0, nesterov: bool = False,
                  average_world: bool = True, use_cuda: bool = False, by_layer: bool = False, *,
                  comm: MPICommunication | None = None, graph: NeighborGraph | None = None,
-                 weights: str = "metropolis", codec: Codec | None = None,
+                 weights: str = "metropolis", codec: Codec | str | None = None,
                  sync_initial: bool = True) -> None:
+        self._wrap()
         comm = sanitize_comm(comm)
         error = _check_lr(lr)
         if error is None and not isinstance(model, torch.nn.Module):
@@ -68,6 +77,8 @@ class DecentralizedSGD:
         if error is None and not average_world:
             error = ValueError("DecentralizedSGD averages with its neighbors; "
                                "average_world=False is not supported")
+        if error is None:
+            codec, error = codec_error(codec)
         raise_together(error, comm)
         if graph is None:
             graph = NeighborGraph.ring(comm, weights) if neighbors is None else \
@@ -75,34 +86,43 @@ class DecentralizedSGD:
         self.comm = comm
         self.graph = graph
         self.model = model
+        self.use_cuda = use_cuda
         if sync_initial:
             broadcast_module(model, comm)
+        self.sync = ParameterSync(list(model.parameters()), comm, codec=codec,
+                                  reducer=Gossip(graph), bucket_cap_mb=1e-6 if by_layer else 25)
+        self._step_supports_amp_scaling = True  # gradients are per rank: agree in step()
+        self._bytes_reported = 0
         self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                                          dampening=dampening, weight_decay=weight_decay,
                                          nesterov=nesterov)
-        self.sync = ParameterSync(list(model.parameters()), comm, codec=codec,
-                                  reducer=Gossip(graph), bucket_cap_mb=1e-6 if by_layer else 25)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective: the gossip mixes the model's parameters, so only those may be added
+        (ValueError on every rank otherwise)."""
+        group = materialized_group(param_group)
+        error, _ = synchronized_check(group.get("params", []), self.sync.tensors,
+                                      type(self).__name__)
+        raise_together(error, self.comm)
+        self._local().add_param_group(group)
 
     def step(self, closure=None, tracker=None):
-        """Local step, then mix the model with the neighbors'."""
-        loss = self.optimizer.step(closure)
-        if tracker is not None:
-            tracker.record_batch_opt_step()
+        """Local step, then mix the model with the neighbors' (collective over the graph;
+        ``tracker``: ``record_batch_opt_step()`` after the local step, ``record_batch_agg()``
+        after the gossip)."""
+        local = self._local()
+        if amp_skip(self, self.comm):
+            return None
+        loss = local.step(closure)
+        track(tracker, "opt_step")
         self.sync.synchronize()
-        if tracker is not None:
-            tracker.record_batch_agg()
+        sent = self.sync.bytes_sent
+        track(tracker, "agg", sent - self._bytes_reported, "Gossip")
+        self._bytes_reported = sent
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+    def _engine_state(self) -> dict:
+        return self.sync.state_dict()
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "engine": self.sync.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sync.load_state_dict(state["engine"])
+    def _load_engine_state(self, state: dict) -> None:
+        self.sync.load_state_dict(state)

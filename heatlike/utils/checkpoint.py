@@ -8,10 +8,26 @@ tree of sections:
 ``wrapper``   the wrapper's distributed state (bucket plan, counters, codec state), if wrapped
 ``optimizer`` ``optimizer.state_dict()``: the torch optimizer's state and, for heatlike's
               optimizers, the engine's state under the key ``"engine"``
+``classes``   the class of the torch optimizer doing the update (checked by :func:`load`)
 ``rng``       the torch (and CUDA), numpy, Python and ``heatlike.random`` generator states
 ``states``    ``state_dict()`` of every keyword argument that has one (a DataLoader, an LR
               scheduler, a GradScaler)
-``extra``     every other keyword argument as it is (epoch numbers, metrics, tensors)
+``extra``     every other keyword argument (epoch numbers, metrics, tensors, settings)
+
+**Pending updates.** Both functions first apply every pending deferred update of a non-blocking
+:class:`heatlike.optim.DataParallelOptimizer`, whichever objects are passed (the DataParallel
+model, its bare module, the wrapper optimizer or the torch optimizer inside it): a checkpoint
+never misses an update that ``step()`` has scheduled, and a loaded state is never overwritten by
+one.
+
+**What can be stored.** A checkpoint holds tensors and plain values only (``None``, bools,
+numbers, strings, bytes, lists, tuples, dicts, sets, torch dtypes, devices and sizes), so that
+loading it cannot run code. In ``extra`` and in the keyword objects' states, these are stored too
+and given back as they were saved: numpy arrays and numpy scalars (numeric, bool, datetime
+dtypes; as their raw bytes and dtype, bit for bit), ``pathlib`` paths (as their string and
+class) and ``argparse.Namespace`` (as the dict of its attributes, each converted the same way).
+Anything else (a custom class, a function, a ``collections.defaultdict``) makes :func:`save`
+raise :class:`CheckpointError` on every rank naming the value, before anything is written.
 
 **Per-rank state.** Every rank hashes each leaf of its tree; leaves equal on all ranks are stored
 once, the others (error-feedback residuals, decentralized replicas, per-rank RNG streams) once
@@ -19,10 +35,25 @@ per rank. A section whose *structure* differs between ranks is stored whole per 
 
 **File format.** ``MAGIC``, then the segments (``torch.save`` payloads: the shared tree, then one
 per rank), then a JSON index (offset, length and SHA-256 of every segment, the world size),
-its length, its SHA-256 and ``END``. Rank 0 writes it to a temporary file in the same directory,
-fsyncs it, renames it over ``path`` and fsyncs the directory, so ``path`` always holds either
-the previous complete checkpoint or the new one. :func:`load` verifies every hash and reads with
-``torch.load(weights_only=True)``: a checkpoint file cannot run code.
+its length, its SHA-256 and ``END``. Rank 0 writes it to a temporary file
+(``.<name>.<random>.tmp``) in the same directory, fsyncs it, renames it over ``path`` and fsyncs
+the directory, so ``path`` always holds either the previous complete checkpoint or the new one.
+The temporary file is removed when the write fails, and when SIGTERM, SIGINT or SIGHUP arrives
+during it (the signal then takes its usual effect: a default SIGTERM still ends the process, a
+handler of the program still runs); a temporary file left by a process killed outright (SIGKILL)
+is removed by the next save to the same path. :func:`load` verifies every hash and reads with
+``torch.load(weights_only=True)``: a checkpoint file cannot run code, and one holding a pickled
+object raises :class:`CheckpointError`.
+
+**All or nothing.** :func:`load` reads, verifies and checks everything against the objects first
+(file, model keys and shapes, optimizer class, parameter groups and state shapes, engine bucket
+plan and wire format, keyword objects, stored values) and raises :class:`CheckpointError` on
+every rank before changing anything. Only then does it restore the objects; if restoring still
+fails on any rank (a keyword object's ``load_state_dict`` refuses its state, for example), every
+rank puts every object back as it was (model parameters and buffers, optimizer and engine state,
+keyword objects, RNG states) from a copy taken just before, and raises the error on every rank.
+That copy costs one copy of the objects' current state while loading (the model's in host
+memory).
 
 **Resuming.** At the same world size every rank gets back exactly what it saved, so the run
 continues bitwise as if uninterrupted (CPU; the optimizer and data loader must be built the same
@@ -35,15 +66,23 @@ value the freshly built objects have. :func:`load` returns what it did in ``.ave
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
 import hashlib
 import io
 import json
 import os
+import pathlib
 import pickle
 import random
+import re
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +106,8 @@ Path_ = tuple  # a leaf's position in the tree: the keys and list indices leadin
 
 
 class CheckpointError(ValueError):
-    """The checkpoint file is not a complete heatlike checkpoint, or does not fit the objects."""
+    """The checkpoint file is not a complete heatlike checkpoint, does not fit the objects, or
+    a value cannot be stored in one."""
 
 
 class Loaded(dict):
@@ -130,14 +170,39 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _tree(model, optimizer, rng: bool, extra: dict) -> dict:
+def _tree(model, optimizer, rng: bool, extra: dict, encode: bool = True) -> dict:
+    """The state of every object, as saved (``encode``: extras and keyword objects' states in
+    their stored form, see :func:`_encode`)."""
     bare, wrapper = _unwrap(model)
+    stored = _encode if encode else (lambda value, path: value)
     return {"model": bare.state_dict(),
             "wrapper": wrapper.get_extra_state() if wrapper is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "classes": {"optimizer": _torch_class(optimizer)},
             "rng": rng_state() if rng else None,
-            "states": {k: v.state_dict() for k, v in extra.items() if _stateful(v)},
-            "extra": {k: v for k, v in extra.items() if not _stateful(v)}}
+            "states": {k: stored(v.state_dict(), ("states", k))
+                       for k, v in extra.items() if _stateful(v)},
+            "extra": {k: stored(v, ("extra", k)) for k, v in extra.items() if not _stateful(v)}}
+
+
+def _torch_class(optimizer) -> str | None:
+    """The class name of the torch optimizer that computes the update: ``optimizer`` itself, or
+    the one a heatlike optimizer drives (``torch_optimizer``, ``local_optimizer``, ``optimizer``
+    or ``opt``, followed down)."""
+    if optimizer is None:
+        return None
+    seen = {id(optimizer)}
+    while True:
+        inner = None
+        for attr in ("torch_optimizer", "local_optimizer", "optimizer", "opt"):
+            candidate = getattr(optimizer, attr, None)
+            if isinstance(candidate, torch.optim.Optimizer) and id(candidate) not in seen:
+                inner = candidate
+                break
+        if inner is None:
+            return type(optimizer).__qualname__
+        seen.add(id(inner))
+        optimizer = inner
 
 
 def _is_container(x) -> bool:
@@ -224,6 +289,168 @@ def _name(path: Path_) -> str:
     return ".".join(str(k) for k in path)
 
 
+# -------------------------------------------------------------------------------- stored values
+
+_TAG = "__heatlike_type__"  # marks a value stored in another form (see _encode)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype,
+          torch.device, torch.Size)
+_PATHS = {cls.__name__: cls for cls in (pathlib.PurePath, pathlib.PurePosixPath,
+                                        pathlib.PureWindowsPath, pathlib.Path,
+                                        pathlib.PosixPath, pathlib.WindowsPath)}
+_NUMPY_KINDS = "biufcmM"  # bool, int, uint, float, complex, datetime, timedelta
+
+
+def _where(path: Path_) -> str:
+    """How an error names the value at ``path``."""
+    section, rest = path[0], path[1:]
+    inside = f" (at {_name(rest[1:])})" if len(rest) > 1 else ""
+    if section == "extra" and rest:
+        return f"the extra value {rest[0]!r}{inside}"
+    if section == "states" and rest:
+        return f"the state_dict() of {rest[0]!r}{inside}"
+    return f"the {section} state" + (f" (at {_name(rest)})" if rest else "")
+
+
+def _encode(value, path: Path_):
+    """``value`` with numpy arrays and scalars, pathlib paths and argparse namespaces replaced by
+    tagged dicts of plain values (inside dicts, lists and tuples), which :func:`_decode` turns
+    back into equal objects."""
+    if type(value) is np.ndarray or isinstance(value, np.generic):
+        array = np.asarray(value)
+        if array.dtype.kind not in _NUMPY_KINDS or array.dtype.fields is not None:
+            raise CheckpointError(
+                f"{_where(path)} is a numpy {'array' if type(value) is np.ndarray else 'scalar'}"
+                f" of dtype {array.dtype}, which a checkpoint cannot store (numeric, bool and "
+                "datetime dtypes can): convert it to a list or a tensor")
+        raw = np.frombuffer(np.ascontiguousarray(array).tobytes(), dtype=np.uint8).copy()
+        return {_TAG: "numpy", "dtype": array.dtype.str, "shape": list(array.shape),
+                "scalar": isinstance(value, np.generic), "data": torch.from_numpy(raw)}
+    if isinstance(value, pathlib.PurePath):
+        return {_TAG: "path", "class": type(value).__name__, "path": str(value)}
+    if type(value) is argparse.Namespace:
+        return {_TAG: "namespace", "items": _encode(dict(vars(value)), path)}
+    if isinstance(value, dict) and type(value) in (dict, OrderedDict):
+        if _TAG in value:
+            raise CheckpointError(f"{_where(path)} is a dict with the key {_TAG!r}, which "
+                                  "heatlike's checkpoints reserve: rename it")
+        out = type(value)()
+        if type(value) is not dict:
+            out.__dict__.update(getattr(value, "__dict__", {}))
+        for k, v in value.items():
+            out[k] = _encode(v, (*path, k))
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_encode(v, (*path, i)) for i, v in enumerate(value))
+    return value
+
+
+def _decode(value):
+    """Undo :func:`_encode`."""
+    if isinstance(value, dict) and _TAG in value:
+        kind = value[_TAG]
+        try:
+            if kind == "numpy":
+                array = np.frombuffer(value["data"].numpy().tobytes(),
+                                      dtype=np.dtype(value["dtype"]))
+                array = array.reshape(value["shape"]).copy()
+                return array[()] if value["scalar"] else array
+            if kind == "path":
+                cls = _PATHS.get(value["class"], pathlib.PurePath)
+                try:
+                    return cls(value["path"])
+                except (NotImplementedError, OSError):  # a concrete path of another system
+                    return pathlib.PurePath(value["path"])
+            if kind == "namespace":
+                return argparse.Namespace(**_decode(value["items"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"a stored {kind!r} value is damaged ({e})") from None
+        raise CheckpointError(f"the checkpoint stores a value of unknown kind {kind!r} (written "
+                              "by a newer heatlike?)")
+    if isinstance(value, dict):
+        out = type(value)()
+        if type(value) is not dict:
+            out.__dict__.update(getattr(value, "__dict__", {}))
+        for k, v in value.items():
+            out[k] = _decode(v)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_decode(v) for v in value)
+    return value
+
+
+def _check_storable(tree: dict) -> None:
+    """Raise CheckpointError naming the first value of ``tree`` that ``torch.load(...,
+    weights_only=True)`` would refuse to read back (a custom class, a function, a dict subclass
+    other than OrderedDict...)."""
+
+    def refuse(path: Path_, value, why: str = "") -> CheckpointError:
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
+        return CheckpointError(
+            f"checkpoint.save: {_where(path)} is a {kind}{why}, which a checkpoint cannot store "
+            "(loading a checkpoint never unpickles arbitrary objects): store tensors, numbers, "
+            "strings, lists, tuples and dicts of them (numpy arrays, pathlib paths and "
+            "argparse.Namespace are converted), or pass an object with "
+            "state_dict()/load_state_dict()")
+
+    def plain_key(key) -> bool:
+        return type(key) in _PLAIN or (type(key) is tuple and all(map(plain_key, key)))
+
+    def walk(value, path: Path_) -> None:
+        if type(value) in (dict, OrderedDict):
+            for k, v in value.items():
+                if not plain_key(k):
+                    raise refuse((*path, k), k, " used as a dict key")
+                walk(v, (*path, k))
+        elif type(value) in (list, tuple):
+            for i, v in enumerate(value):
+                walk(v, (*path, i))
+        elif type(value) in (set,):
+            for v in value:
+                walk(v, path)
+        elif type(value) is torch.Tensor or type(value) in _PLAIN:
+            return
+        else:  # rare: ask the safe loader itself
+            try:
+                _loads(_dumps(value))
+            except Exception:  # noqa: BLE001 - any failure means it cannot be stored
+                raise refuse(path, value) from None
+
+    for section, value in tree.items():
+        walk(value, (section,))
+
+
+# -------------------------------------------------------------------------------- pending updates
+
+
+def _data_parallels(objects) -> list:
+    """The DataParallel wrappers behind ``objects``: a DataParallel itself, the bare module it
+    wraps (found through the hooks it registered), a DataParallelOptimizer attached to it."""
+    from ..nn.data_parallel import DataParallel
+
+    found: list = []
+
+    def add(candidate) -> None:
+        if isinstance(candidate, DataParallel) and not any(candidate is f for f in found):
+            found.append(candidate)
+
+    for obj in objects:
+        add(obj)
+        if isinstance(obj, torch.nn.Module):
+            for hooks in (obj._forward_pre_hooks, obj._forward_hooks):
+                for hook in list(hooks.values()):
+                    add(getattr(hook, "__self__", None))
+        add(getattr(obj, "__dict__", {}).get("_model"))
+    return found
+
+
+def _flush_pending(*objects) -> None:
+    """Apply every pending deferred update (non-blocking DataParallelOptimizer) of a
+    DataParallel found among ``objects``. Same objects on every rank: waits only for reductions
+    every rank has started."""
+    for model in _data_parallels(objects):
+        model.flush()
+
+
 # -------------------------------------------------------------------------------- bytes and files
 
 
@@ -233,8 +460,27 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _loads(data: bytes):
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+def _loads(data: bytes, what: str = "the checkpoint"):
+    """``torch.load(weights_only=True)``; a pickled object (a ``__reduce__`` payload) raises
+    CheckpointError and is never run."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))
+        name = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{what} holds a pickled Python object{name} that a safe load refuses to create; "
+            "heatlike's checkpoints hold tensors and plain values only, so this file was not "
+            "written by checkpoint.save or was altered; it is not loaded") from None
+
+
+def _wait(request) -> None:
+    """Wait for an MPI request in short sleeps instead of one blocking call, so that Python runs
+    signal handlers (a blocking MPI call delays them until it returns)."""
+    delay = 1e-5
+    while not request.Test():
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
 
 
 def _bcast_bytes(comm: MPICommunication, data: bytes | None) -> bytes:
@@ -255,10 +501,10 @@ def _send_bytes(comm: MPICommunication, data: bytes, dest: int) -> None:
 
 def _recv_bytes(comm: MPICommunication, source: int) -> bytes:
     n = np.empty(1, dtype=np.int64)
-    comm.handle.Recv(n, source, tag=71)
+    _wait(comm.handle.Irecv(n, source, tag=71))
     buf = np.empty(int(n[0]), dtype=np.uint8)
     if n[0]:
-        comm.handle.Recv(buf, source, tag=72)
+        _wait(comm.handle.Irecv(buf, source, tag=72))
     return buf.tobytes()
 
 
@@ -271,6 +517,72 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class _Signalled(BaseException):
+    """A signal whose default action ends the process arrived during a write."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
+                 if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _signals_unwind() -> Iterator[None]:
+    """While the block runs, SIGTERM, SIGINT and SIGHUP unwind it (its ``finally`` clauses run)
+    before taking their usual effect: a signal left at its default action then ends the process
+    as it would have (re-raised after the block), a program's own handler (or Python's
+    KeyboardInterrupt for SIGINT) is called at once, an ignored signal stays ignored. Only in the
+    main thread (elsewhere Python cannot set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def handler(signum, frame):
+        before = previous[signum]
+        if before is signal.SIG_IGN:
+            return
+        if callable(before):
+            before(signum, frame)
+            return
+        raise _Signalled(signum)
+
+    for sig in _SIGNALS:
+        before = signal.getsignal(sig)
+        if before is None:  # set outside Python: leave it alone
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(sig, handler)
+            previous[sig] = before
+    try:
+        yield
+    except _Signalled as e:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+        previous.clear()
+        signal.raise_signal(e.signum)  # default action: the process ends here
+        raise  # only if the signal is blocked
+    finally:
+        for sig, before in previous.items():
+            signal.signal(sig, before)
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove temporary files of earlier saves to ``path`` that were killed before they could
+    (``.<name>.<8 random characters>.tmp``, :func:`tempfile.mkstemp`'s names)."""
+    prefix = f".{path.name}."
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path.parent):
+            name = entry.name
+            if name.startswith(prefix) and name.endswith(".tmp") and \
+                    len(name) == len(prefix) + 8 + 4 and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
 
 
 def verify(path: str | os.PathLike) -> dict:
@@ -322,22 +634,33 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     ``extra`` to ``path`` (see the module docstring). ``extra`` values with
     ``state_dict``/``load_state_dict`` (data loader, scheduler) are saved by their state.
 
-    In-flight communication of the optimizer and wrapper is completed first (pending updates of
-    the non-blocking modes are applied; DASO keeps its in-flight averages for the batch it
-    merges them in). An error on any rank (including rank 0 failing to write) is raised on every
-    rank, and ``path`` then still holds the previous checkpoint.
+    In-flight communication of the optimizer and wrapper is completed first: pending updates of
+    a non-blocking DataParallelOptimizer are applied (whether the DataParallel model, its bare
+    module, the wrapper or the torch optimizer inside is passed); DASO keeps its in-flight
+    averages for the batch it merges them in. A value that cannot be stored raises
+    :class:`CheckpointError` naming it, before anything is written. An error on any rank
+    (including rank 0 failing to write) is raised on every rank, and ``path`` then still holds
+    the previous checkpoint.
     """
     comm = _comm_of(model, optimizer, comm)
-    error, tree = None, None
+    error = None
     try:
         _check_model(model)
+    except TypeError as e:
+        error = e
+    raise_together(error, comm, (CheckpointError,))
+    agree_on({"path": os.fspath(path)}, comm, "checkpoint.save")
+
+    error, tree = None, None
+    try:
+        _flush_pending(model, optimizer, *extra.values())
         tree = _tree(model, optimizer, rng, extra)
+        _check_storable(tree)
         sections = {name: _structure(section) for name, section in tree.items()}
         digests = {path: _digest(leaf) for path, leaf in _leaves(tree)}
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         error = e
     raise_together(error, comm, (CheckpointError,))
-    agree_on({"path": os.fspath(path)}, comm, "checkpoint.save")
 
     everyone = comm.handle.gather((sections, digests), root=0)
     if comm.rank == 0:
@@ -378,7 +701,8 @@ def _per_rank_parts(everyone: list) -> tuple[set, set]:
 def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: set,
            mine: dict) -> Exception | None:
     """Rank 0: write the file atomically, receiving the other ranks' parts one after another
-    (always all of them, even after an error, so no rank is left waiting)."""
+    (always all of them, even after an error, so no rank is left waiting). The temporary file
+    is removed on every way out: an error, or a signal (:func:`_signals_unwind`)."""
     error = None
     handle = tmp = None
     segments: dict[str, list] = {}
@@ -388,50 +712,57 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
         handle.write(blob)
         segments[name] = [offset, len(blob), hashlib.sha256(blob).hexdigest()]
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        handle = os.fdopen(fd, "wb")
-        handle.write(MAGIC)
-        shared = _rebuild({k: (None if k in whole else v) for k, v in tree.items()},
-                          lambda p, leaf: None if p in leaves else leaf)
-        write("shared", _dumps(shared))
-        write("rank0", _dumps(mine))
-    except Exception as e:  # noqa: BLE001
-        error = e
-    for source in range(1, comm.size):
-        blob = _recv_bytes(comm, source)
-        if error is None:
+    with _signals_unwind():
+        try:
             try:
-                if not blob:
-                    raise RuntimeError(f"rank {source} could not serialize its state")
-                write(f"rank{source}", blob)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _remove_stale(path)
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                           dir=path.parent)
+                handle = os.fdopen(fd, "wb")
+                handle.write(MAGIC)
+                shared = _rebuild({k: (None if k in whole else v) for k, v in tree.items()},
+                                  lambda p, leaf: None if p in leaves else leaf)
+                write("shared", _dumps(shared))
+                write("rank0", _dumps(mine))
             except Exception as e:  # noqa: BLE001
                 error = e
-    if error is None:
-        try:
-            index = json.dumps({
-                "format": FORMAT, "world_size": comm.size, "segments": segments,
-                "per_rank_sections": sorted(whole), "per_rank_leaves": len(leaves),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "heatlike": _version()}).encode()
-            handle.write(index)
-            handle.write(len(index).to_bytes(8, "little"))
-            handle.write(hashlib.sha256(index).digest())
-            handle.write(END)
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-            handle = None
-            os.replace(tmp, path)
-            tmp = None
-            _fsync_dir(path.parent)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    if handle is not None:
-        handle.close()
-    if tmp is not None and os.path.exists(tmp):
-        os.unlink(tmp)
+            for source in range(1, comm.size):
+                blob = _recv_bytes(comm, source)
+                if error is None:
+                    try:
+                        if not blob:
+                            raise RuntimeError(f"rank {source} could not serialize its state")
+                        write(f"rank{source}", blob)
+                    except Exception as e:  # noqa: BLE001
+                        error = e
+            if error is None:
+                try:
+                    index = json.dumps({
+                        "format": FORMAT, "world_size": comm.size, "segments": segments,
+                        "per_rank_sections": sorted(whole), "per_rank_leaves": len(leaves),
+                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "heatlike": _version()}).encode()
+                    handle.write(index)
+                    handle.write(len(index).to_bytes(8, "little"))
+                    handle.write(hashlib.sha256(index).digest())
+                    handle.write(END)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                    handle.close()
+                    handle = None
+                    os.replace(tmp, path)
+                    tmp = None
+                    _fsync_dir(path.parent)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        finally:
+            if handle is not None:
+                with contextlib.suppress(OSError):
+                    handle.close()
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
     if error is not None:
         return RuntimeError(f"writing checkpoint {path} failed ({type(error).__name__}: "
                             f"{error}); the previous checkpoint there is unchanged")
@@ -447,18 +778,32 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     """Collective: restore ``model`` (bare or wrapped), ``optimizer`` and every keyword object's
     state (same names as in :func:`save`) from ``path``; return the plain ``extra`` values.
 
-    Rank 0 reads and verifies the file and sends every rank its part. A missing, truncated or
-    corrupted file raises (FileNotFoundError, :class:`CheckpointError`) on every rank before any
-    object is changed; so does a checkpoint that does not fit the objects.
+    Pending deferred updates are applied first (as in :func:`save`). Rank 0 reads and verifies
+    the file and sends every rank its part. A missing, truncated or corrupted file raises
+    (FileNotFoundError, :class:`CheckpointError`) on every rank before any object is changed;
+    so does a checkpoint that does not fit the objects. Loading is all or nothing: if restoring
+    fails on any rank, every object on every rank is put back as it was and the error is
+    raised on every rank (see the module docstring).
     """
     comm = _comm_of(model, optimizer, comm)
     try:
         _check_model(model)
+        for name, obj in stateful.items():
+            if not _stateful(obj):
+                raise TypeError(f"checkpoint.load's keyword argument {name!r} must have "
+                                "state_dict() and load_state_dict() (the plain values saved as "
+                                "extra are what load returns)")
         error = None
     except TypeError as e:
         error = e
     raise_together(error, comm, (CheckpointError,))
     agree_on({"path": os.fspath(path)}, comm, "checkpoint.load")
+    error = None
+    try:
+        _flush_pending(model, optimizer, *stateful.values())
+    except Exception as e:  # noqa: BLE001
+        error = e
+    raise_together(error, comm, (CheckpointError,))
     path = Path(path)
     error, index, segments = None, None, None
     if comm.rank == 0:
@@ -471,7 +816,6 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     _raise_from_root(error, comm)
     index = comm.handle.bcast(index, root=0)
     saved_size = int(index["world_size"])
-    whole = set(index["per_rank_sections"])
     shared = _bcast_bytes(comm, segments["shared"] if comm.rank == 0 else None)
 
     if saved_size == comm.size:
@@ -481,12 +825,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
             mine_blob = segments["rank0"]
         else:
             mine_blob = _recv_bytes(comm, 0)
-        resized = None
     else:
         resized = None
         if comm.rank == 0:
             try:
-                resized = _dumps(_merge_ranks([_loads(segments[f"rank{r}"])
+                resized = _dumps(_merge_ranks([_loads(segments[f"rank{r}"], f"{path}")
                                                for r in range(saved_size)]))
             except Exception as e:  # noqa: BLE001
                 resized, error = b"", e
@@ -494,15 +837,16 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         mine_blob = _bcast_bytes(comm, resized)
     del segments
 
-    error, result = None, None
+    error, plan = None, None
     try:
-        tree = _loads(shared)
-        mine = _loads(mine_blob)
-        result = _restore(tree, mine, whole, saved_size, comm, model, optimizer, rng, strict,
-                          stateful)
+        tree = _loads(shared, f"{path}")
+        mine = _loads(mine_blob, f"{path}")
+        plan = _prepare(tree, mine, saved_size, model, optimizer, rng, strict, stateful)
     except Exception as e:  # noqa: BLE001
         error = e
     raise_together(error, comm, (CheckpointError,))
+    _apply(plan, comm)
+    result = plan.result
     if result.averaged or result.reset:
         get_logger().warning(
             "checkpoint %s was saved at %d ranks, loaded at %d: per-rank state averaged over "
@@ -561,47 +905,131 @@ def _merge_ranks(parts: list[dict]) -> dict:
     return merged
 
 
-def _restore(tree: dict, mine: dict, whole: set, saved_size: int, comm: MPICommunication,
-             model, optimizer, rng: bool, strict: bool, stateful: dict) -> Loaded:
+class _Plan:
+    """What :func:`_apply` restores, every part checked against the objects."""
+
+    def __init__(self, **parts) -> None:
+        self.__dict__.update(parts)
+
+
+def _prepare(tree: dict, mine: dict, saved_size: int, model, optimizer, rng: bool,
+             strict: bool, stateful: dict) -> _Plan:
+    """This rank's final tree (its own leaves, averages or resets at another world size,
+    stored values decoded), checked against every object; changes nothing. Raises
+    CheckpointError on the first misfit."""
     for name, section in mine["sections"].items():
         tree[name] = section
     reset = mine.get("reset", [])
-    replace = {}
-    if reset:
-        current = _tree(model, optimizer, rng, stateful)
-        replace = {unit: _get(current, unit) for unit in reset}
+    current = _tree(model, optimizer, rng, stateful, encode=False)  # (decoding is the identity)
+    replace = {unit: _get(current, unit) for unit in reset}
     tree = _rebuild(tree, lambda path, leaf: mine["leaves"].get(path, leaf), replace)
 
     for name in stateful:
         if name not in tree["states"]:
             raise CheckpointError(f"the checkpoint has no state for {name!r} (it has "
                                   f"{sorted(tree['states']) or 'none'})")
-    if optimizer is not None and tree["optimizer"] is None:
-        raise CheckpointError("the checkpoint has no optimizer state")
     bare, wrapper = _unwrap(model)
-    _check_fits(bare.state_dict(), tree["model"], strict)
-    bare.load_state_dict(tree["model"], strict=strict)
+    _check_fits(current["model"], tree["model"], strict)
+    problems: list[str] = []
     if wrapper is not None and tree["wrapper"] is not None:
-        wrapper.set_extra_state(tree["wrapper"])
+        _check_engine(tree["wrapper"], current["wrapper"], "the model's engine", problems)
     if optimizer is not None:
-        optimizer.load_state_dict(tree["optimizer"])
-    for name, obj in stateful.items():
-        obj.load_state_dict(tree["states"][name])
-    if rng and tree["rng"] is not None:
-        set_rng_state(tree["rng"])
-    result = Loaded(tree["extra"])
+        if tree["optimizer"] is None:
+            raise CheckpointError("the checkpoint has no optimizer state")
+        saved_class = (tree.get("classes") or {}).get("optimizer")
+        here_class = current["classes"]["optimizer"]
+        if saved_class is not None and saved_class != here_class:
+            raise CheckpointError(f"the checkpoint's optimizer state is from a {saved_class} "
+                                  f"optimizer, the optimizer given is a {here_class}")
+        _compare_optimizer(tree["optimizer"], current["optimizer"], optimizer, "optimizer",
+                           problems)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError("the checkpoint does not fit: " + "; ".join(problems[:5]) + more)
+    states = {name: _decode(tree["states"][name]) for name in stateful}
+    extra = _decode(tree["extra"])
+    result = Loaded(extra)
     result.world_size = saved_size
     result.averaged = [_name(p) for p in mine.get("averaged", [])]
     result.reset = [_name(p) for p in reset]
-    return result
+    return _Plan(bare=bare, wrapper=wrapper, optimizer=optimizer, strict=strict,
+                 stateful=stateful, model_state=tree["model"],
+                 wrapper_state=tree["wrapper"] if wrapper is not None else None,
+                 optimizer_state=tree["optimizer"] if optimizer is not None else None,
+                 states=states, rng_state=tree["rng"] if rng else None, result=result)
 
 
-# -------------------------------------------------------------------------------- helpers
+def _apply(plan: _Plan, comm: MPICommunication) -> None:
+    """Collective: restore every object of ``plan``; if that fails on any rank, every rank puts
+    back what it had changed (from a copy taken just before each change) and raises."""
+    undo: list[tuple[str, Callable[[], None]]] = []
+    error = None
+
+    def step(what: str, snapshot: Callable, restore: Callable, state) -> None:
+        try:
+            saved = snapshot()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"copying the state of {what} before restoring it failed "
+                                  f"({type(e).__name__}: {e})") from e
+        undo.append((what, lambda: restore(saved)))
+        try:
+            restore(state)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"restoring {what} from the checkpoint failed "
+                                  f"({type(e).__name__}: {e})") from e
+
+    try:
+        step("the model", lambda: _copy(plan.bare.state_dict(), device="cpu"),
+             lambda sd: plan.bare.load_state_dict(sd, strict=plan.strict), plan.model_state)
+        if plan.wrapper_state is not None:
+            step("the model's engine", lambda: _copy(plan.wrapper.get_extra_state()),
+                 plan.wrapper.set_extra_state, plan.wrapper_state)
+        if plan.optimizer is not None:
+            step("the optimizer", lambda: _copy(plan.optimizer.state_dict()),
+                 plan.optimizer.load_state_dict, plan.optimizer_state)
+        for name, obj in plan.stateful.items():
+            step(repr(name), lambda obj=obj: _copy(obj.state_dict()),
+                 obj.load_state_dict, plan.states[name])
+        if plan.rng_state is not None:
+            step("the random generators", rng_state, set_rng_state, plan.rng_state)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        error = e
+    try:
+        raise_together(error, comm, (CheckpointError,))
+    except Exception as e:
+        failed = []
+        for what, restore in reversed(undo):
+            try:
+                restore()
+            except Exception as bad:  # noqa: BLE001
+                failed.append(f"{what} ({type(bad).__name__}: {bad})")
+        if failed:
+            raise CheckpointError(f"{e}; putting back the previous state failed too for "
+                                  f"{', '.join(failed)}") from e
+        raise CheckpointError(f"{e}; every object was left as it was") from e
+
+
+def _copy(state, device: str | None = None):
+    """A deep copy of a state dict whose tensors are cloned (to ``device`` if given)."""
+    memo: dict = {}
+    for _, leaf in _leaves(state):
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
+            memo[id(leaf)] = leaf.detach().to(device or leaf.device, copy=True)
+    return copy.deepcopy(state, memo)
+
+
+# -------------------------------------------------------------------------------- fit checks
+
+# per-parameter optimizer buffers of torch's optimizers: shaped like their parameter
+_PARAMETER_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "square_avg",
+                     "acc_delta", "sum", "ax", "grad_avg", "prev", "step_size")
 
 
 def _check_fits(current: dict, saved: dict, strict: bool) -> None:
     """Raise CheckpointError (before anything is changed) unless ``saved`` fits the model."""
     problems = []
+    if not isinstance(saved, dict):
+        raise CheckpointError("the checkpoint has no model state")
     if strict:
         missing = [k for k in current if k not in saved]
         unexpected = [k for k in saved if k not in current]
@@ -617,6 +1045,122 @@ def _check_fits(current: dict, saved: dict, strict: bool) -> None:
                             f"{tuple(here.shape)} in the model")
     if problems:
         raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems))
+
+
+def _is_torch_state(x) -> bool:
+    return isinstance(x, dict) and "state" in x and "param_groups" in x
+
+
+def _compare_optimizer(saved, current, owner, where: str, problems: list[str]) -> None:
+    """Append to ``problems`` how the saved optimizer state differs from the current one in
+    structure: keys, parameter groups, per-parameter state and engine state."""
+    if not isinstance(current, dict):
+        return
+    if not isinstance(saved, dict):
+        problems.append(f"{where} is a {type(saved).__name__} in the checkpoint, a dict here")
+        return
+    if _is_torch_state(current):
+        if not _is_torch_state(saved):
+            problems.append(f"{where} in the checkpoint is not a torch optimizer state (keys "
+                            f"{sorted(map(str, saved))[:6]})")
+            return
+        _compare_torch_state(saved, current, owner, where, problems)
+    else:
+        mine, theirs = set(current) - {"engine"}, set(saved) - {"engine"}
+        if mine != theirs:
+            problems.append(f"{where} has the keys {sorted(map(str, theirs))} in the "
+                            f"checkpoint, {sorted(map(str, mine))} here (another kind of "
+                            "optimizer?)")
+            return
+        for key in sorted(mine, key=str):
+            s, c = saved[key], current[key]
+            if isinstance(c, dict):
+                inner = getattr(owner, key, None) if isinstance(key, str) else None
+                _compare_optimizer(s, c, inner, f"{where}.{key}", problems)
+            elif isinstance(c, torch.Tensor) and (not isinstance(s, torch.Tensor)
+                                                  or s.shape != c.shape):
+                shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+                problems.append(f"{where}.{key} is {shape} in the checkpoint, "
+                                f"{tuple(c.shape)} here")
+    if isinstance(saved.get("engine"), dict) and isinstance(current.get("engine"), dict):
+        _check_engine(saved["engine"], current["engine"], f"{where}.engine", problems)
+
+
+def _compare_torch_state(saved: dict, current: dict, owner, where: str,
+                         problems: list[str]) -> None:
+    groups, here = saved["param_groups"], current["param_groups"]
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g
+                                               for g in groups):
+        problems.append(f"{where}: the checkpoint's parameter groups are damaged")
+        return
+    sizes, mine = [len(g["params"]) for g in groups], [len(g["params"]) for g in here]
+    if sizes != mine:
+        problems.append(f"{where} has parameter groups of {sizes} parameters in the "
+                        f"checkpoint, {mine} here")
+        return
+    if not isinstance(saved["state"], dict):
+        problems.append(f"{where}: the checkpoint's per-parameter state is damaged")
+        return
+    saved_ids = [i for g in groups for i in g["params"]]
+    here_ids = [i for g in here for i in g["params"]]
+    position = {i: n for n, i in enumerate(saved_ids)}
+    params = None
+    if isinstance(owner, torch.optim.Optimizer):
+        found = [p for g in owner.param_groups for p in g["params"]]
+        if len(found) == len(saved_ids):
+            params = found
+    for sid, state in saved["state"].items():
+        n = position.get(sid)
+        if n is None:
+            problems.append(f"{where} has state for a parameter {sid!r} that none of its "
+                            "groups lists (damaged)")
+            continue
+        if not isinstance(state, dict):
+            continue
+        ours = current["state"].get(here_ids[n])
+        if isinstance(ours, dict) and ours and state and set(ours) != set(state):
+            problems.append(f"{where}: parameter {n} has the state {sorted(state)} in the "
+                            f"checkpoint, {sorted(ours)} here (another optimizer?)")
+            continue
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            expected = None
+            if isinstance(ours, dict) and isinstance(ours.get(key), torch.Tensor):
+                expected = ours[key].shape
+            elif key in _PARAMETER_SHAPED and params is not None:
+                expected = params[n].shape
+            if expected is not None and value.shape != expected:
+                problems.append(f"{where}: the state {key!r} of parameter {n} has shape "
+                                f"{tuple(value.shape)} in the checkpoint, {tuple(expected)} "
+                                "here")
+
+
+def _check_engine(saved, current, where: str, problems: list[str]) -> None:
+    """Append to ``problems`` where the saved engine state cannot be restored into the current
+    engine: a bucket plan over another number of parameters, another wire format (codec)."""
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return
+    if "order" in saved and "sizes" in saved and "order" in current:
+        try:
+            order, n = [int(i) for i in saved["order"]], len(current["order"])
+            fits = sorted(order) == list(range(n)) and \
+                sum(int(s) for s in saved["sizes"]) == len(order)
+        except (TypeError, ValueError):
+            fits, order, n = False, [], len(current["order"])
+        if not fits:
+            problems.append(f"{where}: the checkpoint's bucket plan covers {len(order)} "
+                            f"parameters, this model has {n} trainable parameters")
+    codec, ours = saved.get("codec"), current.get("codec")
+    if isinstance(codec, str) and isinstance(ours, str) and codec != ours:
+        problems.append(f"{where}: the checkpoint was saved with the wire format (codec) "
+                        f"{codec!r}, this run uses {ours!r}")
+    for key in saved:
+        if key in current and key not in ("order", "sizes"):
+            _check_engine(saved[key], current[key], f"{where}.{key}", problems)
+
+
+# -------------------------------------------------------------------------------- helpers
 
 
 def _comm_of(model, optimizer, comm: MPICommunication | None) -> MPICommunication:

@@ -1,12 +1,19 @@
 """Tracker: where the time of a training step goes, and how many bytes it sends.
 
-mlbench's optimizers accept a ``tracker`` and call ``record_batch_agg()`` after the aggregation
-and ``record_batch_opt_step()`` after the local step; training loops call ``batch_start()``,
-``record_batch_load()``, ``record_batch_init()``, ``record_batch_fwd_pass()``,
-``record_batch_comp_loss()``, ``record_batch_backprop()`` and ``batch_end()``. Each ``record_*``
-stores the time since the previous mark under that phase; ``add_bytes`` counts bytes sent (and,
-when known, received) per communicator label. :meth:`summary` gives the median of every phase
-and the mean bytes per step.
+The protocol is mlbench-core's ``Tracker``'s (``mlbench_core.utils.Tracker``), so either tracker
+can be handed to either project's optimizers. Optimizers take a ``tracker`` in ``step()`` and call
+``record_batch_agg()`` after the aggregation and ``record_batch_opt_step()`` after the local step;
+heatlike's also call ``add_bytes(nbytes, label)`` when the tracker has that method (mlbench's has
+not). Training loops call ``batch_start()``, ``record_batch_load()``, ``record_batch_init()``,
+``record_batch_fwd_pass()``, ``record_batch_comp_loss()``, ``record_batch_backprop()``,
+``record_batch_comp_metrics()`` and ``batch_end()``, or ``record_batch_step(name)`` for a phase
+of their own. Each ``record_*`` stores the time since the previous mark under that phase
+(``record_batch_load`` under ``"load"``, mlbench's ``"batch_load"``); ``add_bytes`` counts bytes
+sent (and, when known, received) per communicator label. :meth:`summary` gives the median of
+every phase and the mean bytes per step; ``get_total_train_time()``,
+``get_total_compute_time()`` (forward, loss, backward, optimizer step),
+``get_total_communication_time()`` (aggregation), ``get_total_preprocess_time()`` (loading) and
+``get_total_metrics_time()`` sum over the finished steps, as mlbench's do.
 
 Spans. Every ``record(phase)`` also keeps the interval it measured, ``[previous mark, now]``, as a
 span of the phase's category (:data:`CATEGORIES`), and ``batch_end()`` keeps the whole step as a
@@ -38,6 +45,8 @@ from typing import Any, NamedTuple
 __all__ = ["Tracker", "Span", "PHASES", "CATEGORIES"]
 
 PHASES = ("load", "init", "fwd_pass", "comp_loss", "backprop", "agg", "opt_step", "comp_metrics")
+#: the phases mlbench counts as compute (``get_total_compute_time``)
+COMPUTE_PHASES = ("fwd_pass", "comp_loss", "backprop", "opt_step")
 
 #: phase -> span category (one row per category in a Chrome trace)
 CATEGORIES = {"load": "data", "init": "compute", "fwd_pass": "compute", "comp_loss": "compute",
@@ -124,12 +133,60 @@ class Tracker:
         self.steps.append(step)
         self._current = None
 
-    def __getattr__(self, name: str):
-        # record_batch_<phase>() for mlbench's phase names
-        if name.startswith("record_batch_") and name[len("record_batch_"):] in PHASES:
-            phase = name[len("record_batch_"):]
-            return lambda: self.record(phase)
-        raise AttributeError(name)
+    # -- mlbench's Tracker protocol -------------------------------------------------------------
+
+    def record_batch_step(self, name: str) -> None:
+        """Time since the last mark goes to phase ``name`` (mlbench's name for :meth:`record`)."""
+        self.record("load" if name == "batch_load" else name)
+
+    def record_batch_load(self) -> None:
+        self.record("load")
+
+    def record_batch_init(self) -> None:
+        self.record("init")
+
+    def record_batch_fwd_pass(self) -> None:
+        self.record("fwd_pass")
+
+    def record_batch_comp_loss(self) -> None:
+        self.record("comp_loss")
+
+    def record_batch_backprop(self) -> None:
+        self.record("backprop")
+
+    def record_batch_agg(self) -> None:
+        self.record("agg")
+
+    def record_batch_opt_step(self) -> None:
+        self.record("opt_step")
+
+    def record_batch_comp_metrics(self) -> None:
+        self.record("comp_metrics")
+
+    def _total(self, phases: tuple[str, ...] | None) -> float:
+        if phases is None:
+            return sum(s["total"] for s in self.steps)
+        return sum(s["phases"].get(p, 0.0) for s in self.steps for p in phases)
+
+    def get_total_train_time(self) -> float:
+        """Seconds in finished steps (``batch_start`` to ``batch_end``)."""
+        return self._total(None)
+
+    def get_total_compute_time(self) -> float:
+        """Seconds in forward, loss, backward and optimizer-step phases."""
+        return self._total(COMPUTE_PHASES)
+
+    def get_total_communication_time(self) -> float:
+        """Seconds in aggregation phases."""
+        return self._total(("agg",))
+
+    def get_total_preprocess_time(self) -> float:
+        """Seconds loading batches."""
+        return self._total(("load",))
+
+    def get_total_metrics_time(self) -> float:
+        """Seconds computing metrics."""
+        return self._total(("comp_metrics",))
 
     # -- spans -----------------------------------------------------------------------------------
 
