@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 from heatlike.bench import costmodel as cm
 from heatlike.bench._common import FIELDS, Record, Results, topology_label
@@ -120,6 +121,8 @@ def test_model_payload_matches_the_engine(comm, name):
     if name == "decentralized" and comm.size < 3:
         pytest.skip("a ring has two neighbors from 3 ranks on")
     net = mlp([64, 128, 64, 10])
+    if name == "sign":  # ReLU gives exact zeros, which cost the sign vote a second round
+        net = nn.Sequential(*(nn.Tanh() if isinstance(m, nn.ReLU) else m for m in net))
     runner = make_runner(name, net, comm, lr=0.01)
     runner.start_epoch(4)
     g = torch.Generator().manual_seed(comm.rank)
@@ -130,6 +133,8 @@ def test_model_payload_matches_the_engine(comm, name):
     runner.finish()
     measured = runner.bytes_sent() - before
     model = cm.payload_bytes(name, cm.Shapes.of(net), cm.Layout(comm.size, comm.size), LINKS)
+    if all(getattr(s, "passthrough", False) for s in runner._grad_syncs() or [None]):
+        model = 0  # one rank, lossless: nothing is handed to MPI at all
     assert measured == pytest.approx(model, rel=0.02, abs=64)
 
 
@@ -312,7 +317,7 @@ def test_trace_of_training_steps(comm, mpi_tmp_path, name):
     if name == "centralized-sgd":
         assert "agg" in phases  # CentralizedSGD reports its aggregation itself
     for step in tracker.steps:
-        assert sum(step["bytes"].values()) > 0
+        assert sum(step["bytes"].values()) > 0 or comm.size == 1  # one rank sends nothing
     assert results.find("trace", "step time")
     if comm.rank == 0:
         with open(path) as f:
