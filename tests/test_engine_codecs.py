@@ -381,3 +381,29 @@ def test_codecs_never_hide_a_nonfinite_input(comm, name, bad):
     for data in (_x(comm.rank), torch.zeros(64), torch.full((64,), 1e-30)):
         fresh = NONFINITE_CODECS[name]()
         assert bool(torch.isfinite(_run(fresh, data.clone(), comm, shapes=shapes)).all()), name
+
+
+def test_random_subsets_of_large_tensors_are_uniform_and_distinct():
+    """RandomK's O(k) selection for large tensors: k distinct indices, each index as likely as
+    any other (chi-square against uniform), and the finiteness check agrees with isfinite."""
+    from heatlike.engine.codecs import _FAST_SUBSET_MIN, all_finite
+
+    n, k, draws = _FAST_SUBSET_MIN, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(n)
+    for _ in range(draws):
+        idx = RandomK(k=k)._select(n, k, g, "cpu")
+        assert idx.numel() == k and idx.unique().numel() == k and 0 <= int(idx.min())
+        counts.index_add_(0, idx, torch.ones(k))
+    # 64 equal bins of indices: each expects draws * k / 64 hits
+    bins = counts.view(64, -1).sum(1)
+    expected = draws * k / 64
+    chi2 = float(((bins - expected) ** 2 / expected).sum())
+    assert chi2 < 110, chi2  # 63 degrees of freedom: p < 1e-4 beyond 110
+    x = torch.randn(1000)
+    assert all_finite(x) and all_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[7] = bad
+        assert not all_finite(y)
+    assert all_finite(torch.full((4,), 3e38))  # a sum that overflows, entries that do not

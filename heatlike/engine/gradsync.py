@@ -51,7 +51,7 @@ from ..core import checks as _checks
 from ..core.agreement import agree_on
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from .buckets import Bucket, plan_buckets
-from .codecs import Codec, Identity
+from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
 from .liveness import board_of
 from .reducers import AllReduce, Reducer
@@ -225,7 +225,7 @@ class GradientSync:
         b = bucket.index
         if self.check_finite:
             self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, bucket.views)
-                                  if not bool(torch.isfinite(v).all())]
+                                  if not all_finite(v)]
         ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
                       state=self.codec.state_for(b))
@@ -353,7 +353,7 @@ class GradientSync:
         those parameters."""
         self.wait(b)
         bucket = self.buckets[b]
-        if self.check_finite and not bool(torch.isfinite(bucket.values).all()):
+        if self.check_finite and not all_finite(bucket.values):
             self._fail_nonfinite(bucket)
         used = []
         with torch.no_grad():
@@ -383,7 +383,7 @@ class GradientSync:
                 self.wait(other)
         self.active = False
         bad = [self.names[self._index[id(p)]] for p, v in zip(bucket.params, bucket.views)
-               if not bool(torch.isfinite(v).all())]
+               if not all_finite(v)]
         mine = [self.names[i] for bs in self._local_bad.values() for i in bs]
         here = f"this rank's own gradients were non-finite in {mine[:5]}" if mine else \
             "this rank's own gradients were finite"

@@ -36,7 +36,7 @@ from torch.optim.optimizer import required
 
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
-from ..engine.codecs import Codec, codec_error
+from ..engine.codecs import Codec, all_finite, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
@@ -82,12 +82,12 @@ def forget_nonfinite_state(codec: Codec) -> None:
     for state in codec.states.values():
         for key, value in list(state.items()):
             if isinstance(value, torch.Tensor):
-                if not bool(torch.isfinite(value.sum(dtype=torch.float64))):
+                if not all_finite(value):
                     del state[key]
             elif isinstance(value, dict):
                 for k, v in list(value.items()):
                     if isinstance(v, torch.Tensor) and \
-                            not bool(torch.isfinite(v.sum(dtype=torch.float64))):
+                            not all_finite(v):
                         del value[k]
 
 
