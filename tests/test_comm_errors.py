@@ -102,3 +102,24 @@ def test_send_error_sends_nothing(comm):
     comm.Barrier()
     assert not comm.handle.Iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
     comm.Barrier()
+
+
+def test_freeing_a_communicator_frees_its_board(comm):
+    """The board heatlike sets up for a communicator (here by check mode) is freed with it, and
+    its collectives never ran on the communicator itself: the next collective matches."""
+    from heatlike.core import checks
+
+    was = checks.checking()
+    checks.set_check(True)
+    try:
+        sub = comm.Split(0, comm.size - 1 - comm.rank)
+        v = torch.ones(2)
+        sub.Allreduce(hl.IN_PLACE, v)
+        assert v.tolist() == [float(comm.size)] * 2
+        board = sub._hub.board
+        assert (board is not None) == (comm.size > 1)
+        sub.Free()
+        assert board is None or (board not in checks._BOARDS and board.closed)
+    finally:
+        checks.set_check(was)
+    _still_in_step(comm)

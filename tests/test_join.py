@@ -159,3 +159,52 @@ def test_bad_joinables_raise_on_every_rank(comm):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="through a DataParallel"):
         Join([opt, CentralizedSGD(model=copy.deepcopy(net), lr=0.1, comm=comm)])
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "deferred"])
+@pytest.mark.parametrize("codec", [None, "topk"])
+def test_ranks_a_step_apart_are_not_uneven_batches(comm, codec, blocking):
+    """Without Join, the step board compares the ranks' training steps at the same position
+    only: a rank that is slow (a step behind, or with its exchanges on a private channel, topk)
+    and collectives of the program between steps are not taken for different numbers of
+    batches."""
+    import time
+
+    from heatlike.engine.codecs import TopK
+
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt, codec=TopK(k=8) if codec else None)
+    for step in range(4):
+        if comm.rank == step % comm.size:
+            time.sleep(0.2)
+        opt.zero_grad()
+        x, y = _batch(0, step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if step % 2:  # a metric, between steps
+            metric = torch.tensor([loss.item()])
+            comm.Allreduce(hl.IN_PLACE, metric)
+    model.eval()
+    ranks = torch.tensor([1.0])
+    comm.Allreduce(hl.IN_PLACE, ranks)
+    assert ranks.item() == comm.size
+
+
+def test_heatlike_optimizers_join_only_where_join_can_stand_in_for_them(comm):
+    """A DataParallelOptimizer joins through its model; heatlike optimizers whose exchanges are
+    not gradient averages are refused on every rank instead of being stepped as local ones."""
+    from heatlike.nn import DataParallel, Join
+    from heatlike.optim import DataParallelOptimizer, DecentralizedSGD
+
+    net = torch.nn.Linear(4, 2)
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    model = DataParallel(net, comm, optimizer=opt)
+    with Join([model, opt]):
+        pass
+    with pytest.raises(ValueError, match="joins through its DataParallel model"):
+        Join([opt])
+    gossip = DecentralizedSGD(model=torch.nn.Linear(4, 2), lr=0.1, comm=comm)
+    with pytest.raises(TypeError, match="cannot stand in for DecentralizedSGD"):
+        Join([model, gossip])

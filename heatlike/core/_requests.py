@@ -28,6 +28,11 @@ __all__ = ["Request", "wait_all", "test_all", "call", "drive"]
 
 Operation = Generator[MPI.Request, None, None]
 
+# how many heatlike operations are advancing their generators right now: a collective called at
+# depth 0 comes from the program itself, one called deeper is a phase of another heatlike
+# operation (an exchange's all-reduce), which ``heatlike.core.checks`` need not verify again
+depth = 0
+
 
 def call(comm: MPI.Comm, blocking: bool, name: str, *args) -> Operation:
     """One MPI phase: ``comm.<name>(*args)`` blocking, or its ``I<name>`` form, yielding the
@@ -58,10 +63,16 @@ class Request:
                  seq: int = 0) -> None:
         self._label, self._board, self._seq = label, board, seq
         self._op = op
-        self._req = next(op, None)  # validation and the first phase happen here
+        self._req = None
+        self._advance()  # validation and the first phase happen here
 
     def _advance(self) -> None:
-        self._req = next(self._op, None)
+        global depth
+        depth += 1
+        try:
+            self._req = next(self._op, None)
+        finally:
+            depth -= 1
 
     @property
     def done(self) -> bool:
@@ -70,10 +81,12 @@ class Request:
 
     def Wait(self, status: MPI.Status | None = None) -> None:
         """Block until the operation has completed and its result is in place (raises
-        TimeoutError past ``HEATLIKE_COMM_TIMEOUT``, see ``heatlike.core.checks``)."""
+        TimeoutError past ``HEATLIKE_COMM_TIMEOUT``, and RuntimeError when a rank it needs has
+        ended or is in another collective: see ``heatlike.core.checks``). Operations on a
+        communicator with a board are waited for by polling."""
         while self._req is not None:
-            if not _checks.watching():
-                self._req.Wait(status)
+            if self._board is None and not _checks.watching():
+                self._req.Wait(status)  # a heatlike request inside polls if it must
             else:
                 _checks.wait(self._req, lambda: self._label, self._board, self._seq)
             self._advance()
@@ -108,7 +121,7 @@ def wait_all(requests: Iterable[Request | None]) -> None:
     Phases that are in flight at the same time are waited for together with ``MPI.Request.Waitall``.
     """
     pending = [r for r in requests if r is not None and r._req is not None]
-    if _checks.watching():
+    if _checks.watching() or any(r._board is not None for r in pending):
         for r in pending:
             r.Wait()
         return

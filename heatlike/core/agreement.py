@@ -11,6 +11,7 @@ issue different collectives.
 
 from __future__ import annotations
 
+from . import checks as _checks
 from .communication import MPICommunication, sanitize_comm
 
 __all__ = ["raise_together", "agree_on"]
@@ -28,7 +29,7 @@ def raise_together(error: Exception | None, comm: MPICommunication | None = None
     RuntimeError) and its message, prefixed with that rank."""
     comm = sanitize_comm(comm)
     mine = None if error is None else (type(error).__name__, str(error))
-    verdicts = comm.handle.allgather(mine)
+    verdicts = _checks.gather_objects(comm, mine, "raise_together")
     for rank, verdict in enumerate(verdicts):
         if verdict is not None:
             kind, message = verdict
@@ -45,7 +46,7 @@ def agree_on(settings: dict, comm: MPICommunication | None = None, what: str = "
     if comm.size == 1:
         return
     mine = {k: repr(v) for k, v in settings.items()}
-    everyone = comm.handle.allgather(mine)
+    everyone = _checks.gather_objects(comm, mine, f"agree_on({what or 'settings'})")
     for name in mine:
         values = [e.get(name) for e in everyone]
         if len(set(values)) > 1:

@@ -1,16 +1,15 @@
-"""Hang-proofing: deadlines on waits, and collective-consistency checks (both off by default).
+"""Hang-proofing: deadlines on waits, collective-consistency checks, and the boards that tell each
+rank where the others are.
 
 ``HEATLIKE_COMM_TIMEOUT=<seconds>`` (or :func:`set_timeout`)
-    Every wait of a heatlike collective or request (blocking calls included) gives up after that
-    many seconds with ``TimeoutError``, naming the operation and the ranks that have not arrived
-    at it. Who has arrived is read from an *arrival board*: an MPI window in which every rank
-    records, locally and without communication, the sequence number and name of the last
-    collective it entered on each communicator. A rank stuck in another collective cannot answer
-    a message, but its window can still be read (passive-target ``MPI_Get``).
+    Every wait of a heatlike collective or request (blocking calls included), and the setup of
+    heatlike's private channels, gives up after that many seconds with ``TimeoutError``, naming
+    the operation and the ranks that have not arrived at it (read from the communicator's
+    :class:`Board`).
 
 ``HEATLIKE_CHECK=1`` (or :func:`set_check`)
     Before every collective the ranks exchange its signature (operation, reduction op, root,
-    dtype, element count where all ranks must agree) on a private communicator and raise
+    dtype, element count where all ranks must agree) on the board's private channel and raise
     ``ValueError`` on every rank if they differ, naming the ranks and both calls.
 
 ``HEATLIKE_STALL_WARN=<seconds>`` (or :func:`set_stall_warning`)
@@ -19,38 +18,93 @@
     waiting. Useful on a job that is slow rather than stuck, or before choosing a timeout.
 
 All must be set the same way on every rank. When off, the cost is one flag test per call.
+
+Boards
+------
+A :class:`Board` is heatlike's private state for one communicator of two or more ranks, shared by
+every wrapper of that communicator (:class:`Hub`). It is set up at the first collective that
+needs it, by all ranks at the same point of their sequence of collectives: the first collective
+while a check is on, the construction of a gradient synchronization (``heatlike.engine.liveness``)
+or the start of ``python -m heatlike`` (the world's). The setup
+
+1. duplicates the communicator with the non-blocking ``MPI_Comm_idup`` and waits for it like for
+   any collective: with the deadline, the stall warning, and the world board's record of ranks
+   whose program has ended; a setup that cannot complete raises instead of blocking (and is
+   resumed, not repeated, by the next call);
+2. only then, every rank having arrived, allocates on that *channel* a small window (shared
+   memory when all ranks are on one node), duplicates the channel once more for the
+   end-of-program barrier, and agrees on the board's rank in a global order (a Lamport clock).
+
+Apart from that duplication, at a point where every rank enters a collective anyway, nothing the
+board needs runs on the user's communicator, so it cannot match the user's collectives. In its
+window each rank records, locally and without communication: how many collectives it has entered
+on the communicator (its *position*: heatlike's collectives, the agreements of
+``heatlike.core.agreement`` and training steps) and the name of the last one, how many training
+steps it has begun and at which position each of the last eight began, and whether its program
+has ended (normally, or with an uncaught exception). The others read it one-sidedly (a rank
+busy computing or blocked in a collective need not answer), which gives
+
+* the timeout's and the stall warning's "ranks [1] have not arrived (rank 1 is at #4 Allreduce)";
+* **ended ranks**: a rank whose program ended before entering a collective another rank waits in
+  will never enter it: polled waits (every wait on a communicator with a board) raise
+  ``RuntimeError`` naming it within half a second;
+* **different numbers of training steps** (:meth:`Board.verify`): two ranks whose collectives at
+  the same position belong to different numbers of training steps ran different numbers of
+  batches. Every rank that begins a step (:meth:`Board.mark_step`) or enters a collective
+  directly (not as a phase of another heatlike operation) on a *watched* board first publishes
+  its position, then reads everybody's; of two ranks about to issue different collectives at
+  the same position at least one sees the other and raises before issuing, so mismatched
+  collectives never match each other, and the other raises from its polled wait.
+
+On a watched board every collective runs non-blocking with a polled wait (on every rank alike:
+MPI never matches a blocking collective with a non-blocking one). On a board that is neither
+watched nor checked, the fast paths only count the collective (one memory increment).
+``MPICommunication.Dup``, ``heatlike.nn.Join``'s channel (:func:`private_duplicate`) and the
+agreements (:func:`gather_objects`) are made non-blocking and waited for the same way whenever
+a deadline is set or the communicator has a board.
+
+End of the program
+------------------
+When a rank's program ends (an ``atexit`` handler, or the start of ``MPI_Finalize`` if the
+program calls it itself) it marks itself ended on every board and waits, polling, for a
+barrier with the other ranks on each board's own exit channel (``MPI_Finalize`` waits for them
+too). Meanwhile it watches their positions: a rank that has entered a collective this rank never
+entered waits for it forever; when that lasts 2 s, under ``python -m heatlike`` or
+``abort_on_exception`` the job is aborted with a message naming both ranks, otherwise the message
+is printed. Once every rank has ended, the windows are freed in the agreed order. Nothing at exit
+runs on a user's communicator.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import pickle
+import sys
 import time
+import weakref
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
+from .env import env_flag, env_float
 from .log import get_logger
 
 __all__ = ["set_timeout", "set_check", "set_stall_warning", "timeout", "stall_warning",
-           "watching", "checking", "active", "Board"]
+           "watching", "checking", "active", "Board", "Hub", "hub", "wait", "private_duplicate",
+           "gather_objects", "abort_on_deadlock", "end_of_program"]
 
 
 def _env_seconds(name: str) -> float | None:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {value!r}") from None
-    return seconds if seconds > 0 else None
+    """Seconds > 0, or None for unset, blank or 0; ValueError otherwise (negative, nan...)."""
+    return env_float(name, None, minimum=0.0, meaning="seconds; 0 or unset: off") or None
 
 
 _state = {"timeout": _env_seconds("HEATLIKE_COMM_TIMEOUT"),
           "stall": _env_seconds("HEATLIKE_STALL_WARN"),
-          "check": os.environ.get("HEATLIKE_CHECK", "").strip() not in ("", "0", "false", "no")}
+          "check": env_flag("HEATLIKE_CHECK", False)}
 active = False  # read on every call: whether any of the three is on
 
 
@@ -99,7 +153,6 @@ def checking() -> bool:
 
 
 _NAMES: dict[int, str] = {}  # stable code -> name, for the messages
-_BOARDS: list[Board] = []  # in creation order, freed together at exit
 _OP_NAMES = {getattr(MPI, n).py2f(): n for n in
              ("SUM", "PROD", "MIN", "MAX", "LAND", "LOR", "LXOR", "BAND", "BOR", "BXOR",
               "MAXLOC", "MINLOC", "REPLACE", "NO_OP")}
@@ -133,63 +186,410 @@ def opname(code: int) -> str:
     return "nothing yet" if code == 0 else _NAMES.get(code, f"operation code {code}")
 
 
-class Board:
-    """Per communicator: the sequence number and operation of the last collective each rank
-    entered, in an MPI window that others read without the owner's help (one passive access
-    epoch to every rank stays open for the board's life, so a read needs no lock the owner
-    would have to grant)."""
+# ---------------------------------------------------------------------------- boards
 
-    def __init__(self, handle: MPI.Intracomm) -> None:
-        self.handle = handle
-        self.window = MPI.Win.Allocate(16, 8, comm=handle)  # collective
-        self.local = np.frombuffer(self.window.tomemory(), dtype=np.int64)
+# the slots of a rank's record in a board's window (int64 each): its position, the operation it
+# entered last and that operation's position (the fast paths count without naming), whether its
+# program has ended, the training steps it has begun and where the last RING_LEN of them began
+SEQ, OP, OP_AT, ENDED, STEPS, RING = 0, 1, 2, 3, 4, 5
+RING_LEN = 8  # positions at which the last RING_LEN training steps began
+_SLOTS = RING + RING_LEN
+
+_STEP_CODE = _code("a training step")
+_AGREEMENT = "an exchange of objects between the ranks (heatlike.core.agreement)"
+_code(_AGREEMENT)  # named alike in every process
+_BOARDS: list[Board] = []  # established boards, in creation order
+_world: list[Board | None] = [None]  # the board of MPI_COMM_WORLD, once established
+_clock = [0]  # Lamport clock: the order in which every rank frees the boards
+_exit = {"started": False, "done": False, "abort": False}
+_HUBS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+shared_windows = True  # boards of ranks on one node in shared memory (False: RMA as across nodes)
+
+
+class Hub:
+    """What heatlike keeps for one MPI communicator, shared by every wrapper of it: its board
+    (once set up), whether the board is *watched* (a gradient synchronization runs on the
+    communicator: every collective is verified and polled), the fast paths' counter (a view of
+    this rank's position in the board's window) and the training-step board."""
+
+    __slots__ = ("board", "watched", "count", "steps", "__weakref__")
+
+    def __init__(self) -> None:
+        self.board: Board | None = None
+        self.watched = False
+        self.count = None
+        self.steps = None
+
+
+def hub(handle: MPI.Comm) -> Hub:
+    """The hub of ``handle`` (created on first use; lives as long as a wrapper refers to it)."""
+    key = handle.py2f()
+    found = _HUBS.get(key)
+    if found is None:
+        found = _HUBS[key] = Hub()
+    return found
+
+
+def forget(handle: MPI.Comm) -> None:
+    """``handle`` is being freed: its hub must not be found by a later communicator that gets the
+    same handle value."""
+    _HUBS.pop(handle.py2f(), None)
+
+
+def position(row) -> int:
+    """The position of a rank: how many collectives (and training steps) it has entered."""
+    return int(row[SEQ])
+
+
+def operation(row) -> str:
+    """The name of the last collective the rank entered, "" if not known (a fast path)."""
+    return opname(int(row[OP])) if row[OP_AT] == row[SEQ] and row[SEQ] else ""
+
+
+def how_ended(row, after: str = "") -> str:
+    """How a rank's program ended, for messages: "ended its program" or, when it ended with an
+    uncaught exception, "failed (...)"; ``after`` goes after the verb."""
+    if row[ENDED] == 2:
+        return f"failed{after} (its program ended with an uncaught exception: see its error)"
+    return f"ended its program{after}"
+
+
+def steps_at(row, s: int) -> int | None:
+    """How many training steps the rank had begun at its position ``s`` (None if that is older
+    than its record)."""
+    n = int(row[STEPS])
+    for m in range(n, max(n - RING_LEN, 0), -1):
+        if row[RING + (m - 1) % RING_LEN] <= s:
+            return m
+    return 0 if n <= RING_LEN else None
+
+
+class Board:
+    """The board of one communicator (module docstring): a private channel, a window with every
+    rank's record, and an exit channel. Create it with :meth:`establish` at a point all ranks
+    reach in the same order of collectives."""
+
+    def __init__(self, comm) -> None:
+        self.label = repr(comm)
+        self.handle: MPI.Intracomm = comm.handle
+        self.hub: Hub = comm._hub
+        self.rank, self.size = self.handle.Get_rank(), self.handle.Get_size()
+        self.channel: MPI.Intracomm | None = None  # the private duplicate
+        self.exit_channel: MPI.Intracomm | None = None
+        self.window: MPI.Win | None = None
+        self.local: np.ndarray | None = None     # this rank's record
+        self.shared: list[np.ndarray] | None = None  # every rank's record, on one node
+        self.key = 0
+        self.closed = False
+        # liveness.StepBoard's message for ranks that ran different numbers of steps:
+        # explain_steps(board, rows, ended, s) -> str
+        self.explain_steps: Callable | None = None
+        self._idup = None  # (duplicate, request) while the setup waits
+
+    @property
+    def established(self) -> bool:
+        return self.window is not None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def establish(self, before: str) -> Board:
+        """Collective (all ranks at the same point): set up the board, before the collective
+        ``before``. Waits like a collective (deadline, stall warning, ranks known to have ended)
+        and raises TimeoutError/RuntimeError instead of blocking forever; a later call resumes
+        the same setup."""
+        if self.window is not None:
+            return self
+        if self.closed:
+            raise RuntimeError(f"{before} on {self.label}: the program has ended")
+        if self._idup is None:
+            self._idup = self.handle.Idup()
+        channel, request = self._idup
+        what = f"{before} on {self.label}"
+        wait(request, lambda: what, watch=lambda: self._setup_watch(what),
+             who=lambda: "; it is the first collective heatlike runs on this communicator, and "
+                         "heatlike's private channel for it (duplicated by all ranks together, "
+                         "without blocking) is still waiting for the ranks that have not "
+                         "reached it" + self._ended_note())
+        self._idup = None
+        # every rank has entered the setup: the blocking collectives below complete
+        node = channel.Split_type(MPI.COMM_TYPE_SHARED)
+        on_one_node = node.Get_size() == self.size and shared_windows
+        node.Free()
+        nbytes = _SLOTS * 8
+        if on_one_node:
+            window = MPI.Win.Allocate_shared(nbytes, 8, comm=channel)
+            self.shared = [np.frombuffer(window.Shared_query(r)[0], dtype=np.int64,
+                                         count=_SLOTS) for r in range(self.size)]
+        else:
+            window = MPI.Win.Allocate(nbytes, 8, comm=channel)
+        self.local = np.frombuffer(window.tomemory(), dtype=np.int64, count=_SLOTS)
         self.local[:] = 0
-        self.seq = 0
-        self.check_comm = handle.Dup() if _state["check"] else None
-        self.window.Lock_all(MPI.MODE_NOCHECK)
-        handle.Barrier()
+        window.Lock_all(MPI.MODE_NOCHECK)
+        window.Sync()
+        self.exit_channel = channel.Dup()
+        # the agreed order of boards (also the barrier after which the records are zero)
+        self.key = channel.allreduce(_clock[0] + 1, op=MPI.MAX)
+        _clock[0] = self.key
+        self.channel, self.window = channel, window
+        self.hub.count = memoryview(window.tomemory()).cast("B").cast("q")
         _BOARDS.append(self)
+        if MPI.Comm.Compare(self.handle, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT) and \
+                _world[0] is None:
+            _world[0] = self
+        return self
+
+    def _setup_watch(self, what: str) -> None:
+        _raise_if_ended(self.handle, self.rank, what)
+
+    def _ended_note(self) -> str:
+        ended = _ended_members(self.handle, self.rank)
+        return f" (rank(s) {ended} ended their program)" if ended else \
+            " (which ones cannot be known before that channel exists)"
+
+    # -- records -----------------------------------------------------------------------------
 
     def arrive(self, name: str) -> int:
         """Record entering the next collective; returns its sequence number."""
-        self.seq += 1
-        self.local[0], self.local[1] = self.seq, opcode(name)
+        local = self.local
+        seq = int(local[SEQ]) + 1
+        local[SEQ] = seq
+        local[OP] = opcode(name)
+        local[OP_AT] = seq
+        return seq
+
+    @property
+    def seq(self) -> int:
+        return int(self.local[SEQ]) if self.local is not None else 0
+
+    def mark_step(self) -> int:
+        """This rank begins a training step: the step takes a position of its own (its
+        collectives may run on other communicators, e.g. an exchange's private channel); record
+        it, then :meth:`verify` (before the step issues anything). Returns the step's number."""
+        local = self.local
+        seq = int(local[SEQ]) + 1
+        n = int(local[STEPS]) + 1
+        local[RING + (n - 1) % RING_LEN] = seq  # written before the position: a reader that
+        local[STEPS] = n                         # sees the position sees the step too
+        local[SEQ] = seq
+        local[OP] = _STEP_CODE
+        local[OP_AT] = seq
+        self.verify()
+        return n
+
+    def end(self, failed: bool = False) -> None:
+        """This rank's program has ended (``failed``: with an uncaught exception)."""
+        self.local[ENDED] = 2 if failed else 1
         self.window.Sync()
-        return self.seq
+
+    def read(self, patience: float = 1.0) -> list[np.ndarray | None]:
+        """Every rank's record (None for a rank whose window could not be read within
+        ``patience`` seconds, or all None once the board is closed)."""
+        if self.window is None or self.closed:
+            return [None] * self.size
+        self.window.Sync()
+        if self.shared is not None:
+            return [row.copy() for row in self.shared]
+        rows: list[np.ndarray | None] = [np.zeros(_SLOTS, dtype=np.int64)
+                                         for _ in range(self.size)]
+        requests = [self.window.Rget(rows[r], r) if r != self.rank else MPI.REQUEST_NULL
+                    for r in range(self.size)]
+        deadline = time.monotonic() + patience
+        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        rows[self.rank] = self.local.copy()
+        return [row if q == MPI.REQUEST_NULL else None for row, q in zip(rows, requests)]
 
     def where(self, patience: float = 1.0) -> list[tuple[int, str] | None]:
         """(sequence number, operation) of every rank, read from their windows (None for a rank
         whose window could not be read within ``patience`` seconds)."""
-        bufs = [np.zeros(2, dtype=np.int64) for _ in range(self.handle.Get_size())]
-        requests = [self.window.Rget(buf, r) for r, buf in enumerate(bufs)]
-        deadline = time.monotonic() + patience
-        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
-            time.sleep(1e-3)
-        return [(int(b[0]), opname(int(b[1]))) if q == MPI.REQUEST_NULL else None
-                for b, q in zip(bufs, requests)]
+        return [None if r is None else
+                (int(r[SEQ]), operation(r) or ("a collective" if r[SEQ] else opname(0)))
+                for r in self.read(patience)]
 
     def stragglers(self, seq: int) -> str:
         """Who has not reached collective number ``seq`` yet, and where they are."""
-        behind = [(r, e) for r, e in enumerate(self.where()) if e is None or e[0] < seq]
+        rows = self.read()
+        behind = [(r, row) for r, row in enumerate(rows) if row is None or row[SEQ] < seq]
         if not behind:
             return "every rank has entered it (it may be waiting on the interconnect)"
-        parts = [f"rank {r} is at #{e[0]} {e[1]}" if e else f"rank {r} does not answer"
-                 for r, e in behind]
+        parts = []
+        for r, row in behind:
+            if row is None:
+                parts.append(f"rank {r} does not answer")
+            else:
+                ended = ", its program has ended" if row[ENDED] else ""
+                op = operation(row) if row[SEQ] else opname(0)
+                parts.append(f"rank {r} is at #{int(row[SEQ])}" + (f" {op}" if op else "") +
+                             ended)
         return f"ranks {[r for r, _ in behind]} have not arrived ({'; '.join(parts)})"
+
+    # -- verdicts ----------------------------------------------------------------------------
+
+    def verify(self, what: Callable[[], str] | None = None, any_ended: bool = False,
+               steps: bool = True) -> None:
+        """Raise RuntimeError (on this rank) when what this rank waits for, or is about to
+        issue, can never complete or would match another rank's different collective: a rank
+        whose program ended before this rank's position (``any_ended``: whose program ended at
+        all, for operations that are not counted collectives), or, on a board with training
+        steps, a rank whose collective at the same position belongs to another number of
+        steps (unless ``steps`` is False)."""
+        if self.window is None or self.closed:
+            return
+        rows = self.read(patience=0.5)
+        mine = rows[self.rank]
+        k = position(mine)
+        ended = [r for r, row in enumerate(rows) if r != self.rank and row is not None and
+                 row[ENDED] and (any_ended or position(row) < k)]
+        first = None  # the first position at which two ranks are in different steps
+        if steps and self.explain_steps is not None and any(row is not None and row[STEPS]
+                                                  for row in rows):
+            for r, row in enumerate(rows):
+                if r == self.rank or row is None:
+                    continue
+                s = min(k, position(row))
+                a, b = steps_at(mine, s), steps_at(row, s)
+                if a is not None and b is not None and a != b and (first is None or s < first):
+                    first = s
+        if not ended and first is None:
+            return
+        if self.explain_steps is not None:
+            text = self.explain_steps(self, rows, ended, first)
+            if text:
+                raise RuntimeError(text)
+        waiting = what() if what is not None else f"collective #{k} on {self.label}"
+        parts = ", ".join(f"rank {r} " + how_ended(rows[r], f" after {int(rows[r][SEQ])} "
+                                                     "collective(s)") for r in ended)
+        raise RuntimeError(f"{waiting} can never complete: {parts} on this communicator, "
+                           f"without entering it (this rank is at collective #{k})")
+
+    def waiting_for_me(self) -> list[tuple[int, int, str]]:
+        """(rank, position, operation) of the ranks still running that have entered a
+        collective past this rank's position (at the end of this rank's program: they wait for
+        it forever)."""
+        rows = self.read(patience=0.5)
+        k = position(rows[self.rank])
+        return [(r, position(row), operation(row)) for r, row in enumerate(rows)
+                if r != self.rank and row is not None and not row[ENDED] and position(row) > k]
 
     def check(self, signature: tuple) -> None:
         """Collective: raise ValueError on every rank unless all ranks pass equal signatures."""
-        request = self.check_comm.Iallgather([np.array(signature, dtype=np.int64), MPI.INT64_T],
-                                             [everyone := np.zeros(len(signature) *
-                                                                   self.handle.Get_size(),
-                                                                   dtype=np.int64),
-                                              MPI.INT64_T])
-        wait(request, lambda: "the collective-consistency check")
-        rows = everyone.reshape(self.handle.Get_size(), -1)
+        everyone = np.zeros(len(signature) * self.size, dtype=np.int64)
+        request = self.channel.Iallgather([np.array(signature, dtype=np.int64), MPI.INT64_T],
+                                          [everyone, MPI.INT64_T])
+        wait(request, lambda: "the collective-consistency check", self, self.seq,
+             watch=lambda: self.verify(lambda: "the collective-consistency check",
+                                       any_ended=True))
+        rows = everyone.reshape(self.size, -1)
         for r, row in enumerate(rows):
             if not np.array_equal(row, rows[0]):
                 raise ValueError(f"ranks call different collectives: rank 0 calls "
                                  f"{describe(rows[0])} but rank {r} calls {describe(row)}")
+
+    def release(self, what: str) -> None:
+        """Collective (where all ranks free the communicator): free the board's window and
+        channels, once every rank has arrived (a barrier on the channel, waited for like a
+        collective)."""
+        self.hub.board = None
+        self.hub.count = None
+        if self.window is None:
+            return
+        if not self.closed:
+            request = self.channel.Ibarrier()
+            wait(request, lambda: f"{what} (the release of its board)", self,
+                 watch=lambda: self.verify(lambda: what, any_ended=True, steps=False))
+            self.close()
+        if self in _BOARDS:
+            _BOARDS.remove(self)
+        if _world[0] is self:
+            _world[0] = None
+        if not MPI.Is_finalized():
+            self.exit_channel.Free()
+            self.channel.Free()
+
+    def close(self) -> None:
+        """Free the window (collective over the channel: at the end, once every rank ended)."""
+        if self.window is not None and not self.closed:
+            self.closed = True
+            self.hub.count = None
+            self.window.Unlock_all()
+            self.window.Free()
+
+
+def _ended_members(handle: MPI.Intracomm, rank: int) -> list[int]:
+    """Ranks of ``handle`` (other than ``rank``) whose program has ended, as far as the world's
+    board knows (empty without one)."""
+    world = _world[0]
+    if world is None or not world.established or world.closed or \
+            MPI.Comm.Compare(world.handle, handle) in (MPI.IDENT, MPI.CONGRUENT):
+        return []
+    group, everyone = handle.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        members = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), everyone)
+    finally:
+        group.Free()
+        everyone.Free()
+    rows = world.read(patience=0.2)
+    return [r for r, w in enumerate(members)
+            if r != rank and rows[w] is not None and rows[w][ENDED]]
+
+
+def _raise_if_ended(handle: MPI.Intracomm, rank: int, what: str) -> None:
+    ended = _ended_members(handle, rank)
+    if ended:
+        raise RuntimeError(f"{what} cannot complete: rank(s) {ended} of this communicator ended "
+                           "their program without entering it")
+
+
+def private_duplicate(comm, what: str) -> MPI.Intracomm:
+    """Collective: a private duplicate of the heatlike communicator ``comm``'s MPI communicator,
+    made without blocking (``MPI_Comm_idup``) and waited for like a collective: deadline, stall
+    warning, and ranks known (from the boards) to have ended raise instead of blocking."""
+    duplicate, request = comm.handle.Idup()
+    board = comm._hub.board
+    board = board if board is not None and board.established else None
+
+    def watch() -> None:
+        if board is not None:
+            board.verify(lambda: f"{what} on {comm!r}", any_ended=True, steps=False)
+        else:
+            _raise_if_ended(comm.handle, comm.rank, f"{what} on {comm!r}")
+
+    wait(request, lambda: f"{what} on {comm!r}", watch=watch)
+    return duplicate
+
+
+def gather_objects(comm, obj: object, what: str) -> list:
+    """Collective over the heatlike communicator ``comm``: every rank's ``obj`` in rank order
+    (like mpi4py's pickle-based ``allgather``). While a deadline or a stall warning is set, or
+    once the communicator has a board (the same on every rank), it runs as two non-blocking
+    all-gathers (sizes, then bytes) waited for like any heatlike collective: the deadline, and
+    ranks known to have ended raise instead of blocking; on a board it takes a position and is
+    verified like a collective the program calls. Otherwise it is mpi4py's allgather."""
+    board = comm._hub.board
+    board = board if board is not None and board.established and not board.closed else None
+    if board is None and not watching():
+        return comm.handle.allgather(obj)
+    label = lambda: f"{what} on {comm!r}"  # noqa: E731
+    seq = 0
+    if board is not None:  # a collective position like any other (module docstring)
+        seq = board.arrive(_AGREEMENT)
+        if comm._hub.watched:
+            board.verify(label)
+
+    def watch() -> None:
+        if board is None:
+            _raise_if_ended(comm.handle, comm.rank, label())
+
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = np.zeros(comm.size, dtype=np.int64)
+    wait(comm.handle.Iallgather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
+                                [sizes, MPI.INT64_T]), label, board, seq, watch=watch)
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+    wait(comm.handle.Iallgatherv([data, MPI.BYTE],
+                                 [everyone, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
+         label, board, seq, watch=watch)
+    return [pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
 
 
 def describe(signature) -> str:
@@ -206,34 +606,51 @@ def describe(signature) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def wait(request, what, board: Board | None = None, seq: int = 0, watch=None,
-         every: float = 0.5) -> None:
-    """Wait for an MPI (or heatlike) request, honouring the deadline; on expiry raise
-    TimeoutError naming ``what()`` and, with a board, the ranks that have not arrived.
+# ---------------------------------------------------------------------------- waiting
 
-    ``watch`` (optional) is called every ``every`` seconds while waiting and may raise to end
-    the wait (e.g. when a rank the request needs has ended)."""
+
+def wait(request, what: Callable[[], str], board: Board | None = None, seq: int = 0,
+         watch: Callable[[], None] | None = None, every: float = 0.5,
+         who: Callable[[], str] | None = None) -> None:
+    """Wait for an MPI (or heatlike) request, honouring the deadline; on expiry raise
+    TimeoutError naming ``what()`` and, with a board, the ranks that have not arrived (else
+    ``who()``, if given).
+
+    The wait is polled when a deadline or a stall warning is set, when ``watch`` is given or
+    when the request runs on a communicator with a board (``board``, or one found inside a
+    heatlike request): then every ``every`` seconds (first after 0.1 s) the board is verified
+    (:meth:`Board.verify`: ranks that ended or ran other numbers of training steps raise) and
+    ``watch()`` is called, which may raise to end the wait."""
     limit, stall = _state["timeout"], _state["stall"]
-    if limit is None and stall is None and watch is None:
+    if board is None:
+        board = _innermost(request, None, 0)[0]
+    if limit is None and stall is None and watch is None and board is None:
         request.Wait()
         return
     start = time.monotonic()
     deadline = start + limit if limit is not None else None
     warn_at = start + stall if stall is not None else None
-    next_watch = start + every
+    next_watch = start + min(0.1, every)
+    grace = start + 0.2 if _exit["done"] else None
     while not request.Test():
         now = time.monotonic()
         if deadline is not None and now > deadline:
             raise TimeoutError(_stalled(request, what, board, seq,
                                         f"did not complete within {limit:g} s "
-                                        "(HEATLIKE_COMM_TIMEOUT)"))
+                                        "(HEATLIKE_COMM_TIMEOUT)", who))
         if warn_at is not None and now > warn_at:
             warn_at = None
             get_logger().warning("%s", _stalled(request, what, board, seq,
                                                 f"has waited {now - start:.3g} s "
-                                                "(HEATLIKE_STALL_WARN)"))
-        if watch is not None and now > next_watch:
-            watch()
+                                                "(HEATLIKE_STALL_WARN)", who))
+        if grace is not None and board is not None and now > grace:
+            raise RuntimeError(f"{what()} can never complete: every rank's program has ended")
+        if now >= next_watch:
+            inner = _innermost(request, board, seq)[0]
+            if inner is not None:
+                inner.verify(what)
+            if watch is not None:
+                watch()
             next_watch = now + every
         if now - start > 0.05:  # a long wait: stop competing for the core
             time.sleep(1e-4 if now - start < 1 else 1e-3)
@@ -244,11 +661,14 @@ def wait(request, what, board: Board | None = None, seq: int = 0, watch=None,
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-def _stalled(request, what, board, seq, how: str) -> str:
+def _stalled(request, what, board, seq, how: str, who=None) -> str:
     """"<operation> <how>; ranks [..] have not arrived (rank r is at ...)"."""
     board, seq, inner = _innermost(request, board, seq)
-    who = f"; {board.stragglers(seq)}" if board is not None else ""
-    return f"{what()}{inner} {how}{who}"
+    if board is not None and board.established and not board.closed:
+        tail = f"; {board.stragglers(seq)}"
+    else:
+        tail = who() if who is not None else ""
+    return f"{what()}{inner} {how}{tail}"
 
 
 def _innermost(request, board, seq) -> tuple:
@@ -264,19 +684,74 @@ def _innermost(request, board, seq) -> tuple:
     return board, seq, label
 
 
-@atexit.register
-def _free_boards() -> None:
-    """At exit (before MPI is finalized): free the boards' windows once every rank has got
-    here (an exit barrier of at most 2 s; ranks stuck elsewhere leave them to MPI_Finalize)."""
-    if not _BOARDS or MPI.Is_finalized():
+# ---------------------------------------------------------------------------- end of program
+
+
+def abort_on_deadlock(enabled: bool = True) -> None:
+    """At the end of the program, abort the job (rather than print a message) when another rank
+    waits in a collective this rank will never enter (set by ``python -m heatlike`` and
+    ``abort_on_exception``)."""
+    _exit["abort"] = bool(enabled)
+
+
+def _report_deadlock(board: Board, waiting: list[tuple[int, int, str]]) -> None:
+    mine = board.seq
+    who = "; ".join(f"rank {r} has entered collective #{k}" +
+                    (f" ({op})" if op else "") for r, k, op in waiting)
+    text = (f"heatlike: rank {board.rank} ended its program after {mine} collective(s) on "
+            f"{board.label}, but {who} there and waits for rank {board.rank}, which will never "
+            "enter it")
+    if _exit["abort"]:
+        sys.stderr.write(text + "; aborting the MPI job\n")
+        sys.stderr.flush()
+        time.sleep(0.3)  # the launcher stops forwarding output once it kills the job
+        MPI.COMM_WORLD.Abort(1)
+        os._exit(1)
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def end_of_program() -> None:
+    """Mark this rank ended on every board, wait (polling) until every rank of each board has
+    ended too, reporting ranks that wait for this one forever, then free the windows in the
+    agreed order. Runs once, before MPI is finalized (module docstring)."""
+    if _exit["started"] or MPI.Is_finalized():
         return
-    barrier = MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + 2.0
-    while not barrier.Test():
-        if time.monotonic() > deadline:
-            return  # some rank is not exiting: leave the windows to MPI_Finalize
-        time.sleep(1e-3)
-    for board in _BOARDS:
-        board.window.Unlock_all()
-        board.window.Free()
-    _BOARDS.clear()
+    _exit["started"] = True
+    boards = [b for b in _BOARDS if b.established and not b.closed]
+    try:
+        if not boards:
+            return
+        failed = getattr(sys, "last_value", None) is not None  # an uncaught exception
+        for board in boards:
+            board.end(failed)
+        barriers = [board.exit_channel.Ibarrier() for board in boards]
+        since: dict[tuple, float] = {}
+        reported: set[tuple] = set()
+        look = time.monotonic() + 0.5
+        while not MPI.Request.Testall(barriers):
+            now = time.monotonic()
+            if now >= look:
+                look = now + 0.5
+                current = {}
+                for board in boards:
+                    waiting = board.waiting_for_me()
+                    if waiting:
+                        current[(id(board), tuple(waiting))] = (board, waiting)
+                since = {key: since.get(key, now) for key in current}
+                for key, first in since.items():
+                    if now - first >= 2.0 and key not in reported:
+                        reported.add(key)
+                        _report_deadlock(*current[key])
+            time.sleep(2e-3)
+        for board in sorted(boards, key=lambda b: b.key):
+            board.close()
+    finally:
+        _exit["done"] = True
+
+
+atexit.register(end_of_program)
+# a program that calls MPI.Finalize() itself: run the same at the start of MPI_Finalize (the
+# attributes of MPI_COMM_SELF are deleted first)
+_keyval = MPI.Comm.Create_keyval(delete_fn=lambda *_: end_of_program())
+MPI.COMM_SELF.Set_attr(_keyval, True)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import _buffers
+from . import _buffers, _requests
 from . import _halfreduce as _half
 from . import checks as _checks
 from ._buffers import (
@@ -195,6 +195,7 @@ def _same_size_send(sendbuf, recv: torch.Tensor, name: str) -> torch.Tensor | No
 
 def _free_handle(handle: MPI.Comm) -> None:
     if not MPI.Is_finalized() and handle != MPI.COMM_NULL:
+        _checks.forget(handle)
         handle.Free()
 
 
@@ -208,21 +209,48 @@ _SPLITS = {"Allgather", "Gather"}  # IN_PLACE: the whole receive buffer holds P 
 
 
 def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, blocking: bool,
-             args: tuple, kwargs: dict):
-    """The path of every call while ``heatlike.core.checks`` is active: record the arrival,
-    check the signature across ranks, run non-blocking and wait with the deadline."""
-    label = f"{name} on {self!r}"
+             args: tuple, kwargs: dict, direct: Callable[..., Operation | None] | None = None):
+    """The path of every call while ``heatlike.core.checks`` is active, and of every collective
+    on a watched communicator (one a gradient synchronization runs on): record the arrival in
+    the communicator's board; on a watched board, called by the program itself (not as a phase
+    of another heatlike operation), verify that no rank has ended or runs another training step
+    at this position (``Board.verify``: of two ranks about to issue different collectives, at
+    least one sees the other); check the signature across ranks in check mode; then run
+    non-blocking and wait by polling (deadline, ranks that ended). ``direct`` (optional) starts
+    the operation on the fast path, or returns None."""
+    label = f"{name} on {self._name}"
     board, seq = None, 0
     if name not in _POINT_TO_POINT:
-        board = self._arrival_board()
-        seq = board.arrive(name)
-        if _checks.checking():
-            board.check(_signature(self, gen, name, args, kwargs))
-    request = Request(gen(self, *args, blocking=False, **kwargs), label, board, seq)
+        board = self._arrival_board(name)
+        if board is not None:
+            seq = board.arrive(name)
+            if self._hub.watched and _requests.depth == 0:
+                board.verify(lambda: label)
+            if _checks.checking():
+                board.check(_signature(self, gen, name, args, kwargs))
+    op = direct(self, *args) if direct is not None else None
+    if op is None:
+        op = gen(self, *args, blocking=False, **kwargs)
+    request = Request(op, label, board, seq)
     if not blocking:
         return request
     request.Wait()
     return None
+
+
+def _direct_allreduce(self: MPICommunication, sendbuf, recvbuf,
+                      op: MPI.Op = MPI.SUM) -> Operation | None:
+    specs = _direct_reduction(sendbuf, recvbuf, op)
+    if specs is None:
+        return None
+    return _hold(self.handle.Iallreduce(specs[0], specs[1], op), sendbuf, recvbuf)
+
+
+def _direct_bcast(self: MPICommunication, buf, root: int = 0) -> Operation | None:
+    d = direct(buf, True)
+    if d is None or type(root) is not int or not 0 <= root < self.size:
+        return None
+    return _hold(self.handle.Ibcast([d[0], d[1], mpi_type(d[2])], root), buf)
 
 
 def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict) -> tuple:
@@ -261,15 +289,22 @@ def _operation(gen: Callable[..., Operation], blocking: bool, name: str, doc: st
     """Make the public blocking (``name``) or non-blocking (``I``-name) method of an operation."""
     base = name[1:] if not blocking else name
     _checks.opcode(base)  # known by name in every process, for the check mode's messages
+    collective = base not in _POINT_TO_POINT
     if blocking:
         def method(self, *args, **kwargs):
-            if _checks.active:
+            hub = self._hub
+            if _checks.active or (collective and hub.watched):
                 return _checked(self, gen, base, True, args, kwargs)
+            if collective and hub.count is not None:
+                hub.count[0] += 1
             drive(gen(self, *args, blocking=True, **kwargs))
     else:
         def method(self, *args, **kwargs):
-            if _checks.active:
+            hub = self._hub
+            if _checks.active or (collective and hub.watched):
                 return _checked(self, gen, base, False, args, kwargs)
+            if collective and hub.count is not None:
+                hub.count[0] += 1
             return Request(gen(self, *args, blocking=False, **kwargs), base)
     sig = inspect.signature(gen)
     params = [p for p in sig.parameters.values()
@@ -308,6 +343,7 @@ class MPICommunication:
             raise ValueError("handle is MPI.COMM_NULL")
         self.handle = handle
         self.serial = serial
+        self._hub = _checks.hub(handle)  # board, watch state: shared by wrappers of the handle
         self.rank: int = handle.Get_rank()
         self.size: int = handle.Get_size()
         self._finalizer = weakref.finalize(self, _free_handle, handle) if _owned else None
@@ -317,20 +353,31 @@ class MPICommunication:
     def __repr__(self) -> str:
         return f"MPICommunication(rank={self.rank}, size={self.size})"
 
+    @property
+    def _name(self) -> str:
+        """``repr(self)``, made once (it labels every collective on a watched communicator)."""
+        name = self.__dict__.get("_repr")
+        if name is None:
+            name = self.__dict__["_repr"] = repr(self)
+        return name
+
     def __getattr__(self, name: str):
         # only reached for names this class does not define: forward to mpi4py
         if name == "handle":
             raise AttributeError(name)
         return getattr(self.handle, name)
 
-    def _arrival_board(self) -> _checks.Board:
-        """The arrival board of this communicator (collective on first use: created by the
-        first collective called while checks are active)."""
-        board = self.__dict__.get("_board")
-        if board is None:
-            board = _checks.Board(self.handle)
-            self.__dict__["_board"] = board
-        return board
+    def _arrival_board(self, before: str = "a collective") -> _checks.Board | None:
+        """The board of this communicator (``heatlike.core.checks``), None with a single rank.
+        Collective on first use, before the collective ``before``: set up by the first
+        collective called while checks are active, by the first gradient synchronization on it,
+        or, for the world, at the start of ``python -m heatlike``."""
+        if self.size < 2:
+            return None
+        hub = self._hub
+        if hub.board is None:
+            hub.board = _checks.Board(self)
+        return hub.board.establish(before)
 
     def is_distributed(self) -> bool:
         """Whether more than one process takes part."""
@@ -444,15 +491,31 @@ class MPICommunication:
         use their multi-phase route (half precision on the wire). On other communicators they use
         a single float32 collective, because the later phases of a multi-phase operation start
         when the rank's progress reaches them, and could otherwise be matched against another
-        operation's collectives on the same communicator."""
+        operation's collectives on the same communicator.
+
+        While a deadline or stall warning is set, or once the communicator has a board
+        (``heatlike.core.checks``), the duplicate is made with the non-blocking
+        ``MPI_Comm_idup`` and waited for like a collective."""
+        board = self._hub.board
+        if self.size > 1 and (_checks.watching() or (board is not None and board.established)):
+            # the same choice on every rank: a non-blocking duplicate, waited for like a
+            # collective (deadline, ranks known to have ended)
+            return self._owned(_checks.private_duplicate(self, "Dup"), serial)
         return self._owned(self.handle.Dup(), serial)
 
     def Free(self) -> None:
-        """Free a communicator this wrapper owns (idempotent)."""
+        """Free a communicator this wrapper owns (idempotent; collective, like MPI_Comm_free:
+        the board heatlike keeps for it, if any, is freed too)."""
         if self._finalizer is None:
             raise ValueError("this communicator was not created by heatlike and is not freed "
                              "by it")
+        self._release_board()
         self._finalizer()
+
+    def _release_board(self) -> None:
+        board = self._hub.board
+        if board is not None and self._finalizer is not None and self._finalizer.alive:
+            board.release(f"freeing {self!r}")
 
     @property
     def freed(self) -> bool:
@@ -463,6 +526,7 @@ class MPICommunication:
 
     def __exit__(self, *exc) -> None:
         if self._finalizer is not None:
+            self._release_board()
             self._finalizer()
 
     # -- point to point ----------------------------------------------------------------------
@@ -883,9 +947,12 @@ class MPICommunication:
     # else (and every error) takes the general operation above. Same results either way.
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:  # noqa: F811
-        if _checks.active:
+        hub = self._hub
+        if _checks.active or hub.watched:
             return _checked(self, MPICommunication._allreduce, "Allreduce", True,
-                            (sendbuf, recvbuf, op), {})
+                            (sendbuf, recvbuf, op), {}, _direct_allreduce)
+        if hub.count is not None:
+            hub.count[0] += 1
         specs = _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             self.handle.Allreduce(specs[0], specs[1], op)
@@ -893,9 +960,12 @@ class MPICommunication:
             drive(self._allreduce(sendbuf, recvbuf, op, blocking=True))
 
     def Iallreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> Request:  # noqa: F811
-        if _checks.active:
+        hub = self._hub
+        if _checks.active or hub.watched:
             return _checked(self, MPICommunication._allreduce, "Allreduce", False,
-                            (sendbuf, recvbuf, op), {})
+                            (sendbuf, recvbuf, op), {}, _direct_allreduce)
+        if hub.count is not None:
+            hub.count[0] += 1
         specs = _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             return Request(_hold(self.handle.Iallreduce(specs[0], specs[1], op),
@@ -903,8 +973,12 @@ class MPICommunication:
         return Request(self._allreduce(sendbuf, recvbuf, op, blocking=False))
 
     def Bcast(self, buf, root: int = 0) -> None:  # noqa: F811
-        if _checks.active:
-            return _checked(self, MPICommunication._bcast, "Bcast", True, (buf, root), {})
+        hub = self._hub
+        if _checks.active or hub.watched:
+            return _checked(self, MPICommunication._bcast, "Bcast", True, (buf, root), {},
+                            _direct_bcast)
+        if hub.count is not None:
+            hub.count[0] += 1
         d = direct(buf, True)
         if d is not None and type(root) is int and 0 <= root < self.size:
             self.handle.Bcast([d[0], d[1], mpi_type(d[2])], root)
@@ -912,8 +986,12 @@ class MPICommunication:
             drive(self._bcast(buf, root, blocking=True))
 
     def Ibcast(self, buf, root: int = 0) -> Request:  # noqa: F811
-        if _checks.active:
-            return _checked(self, MPICommunication._bcast, "Bcast", False, (buf, root), {})
+        hub = self._hub
+        if _checks.active or hub.watched:
+            return _checked(self, MPICommunication._bcast, "Bcast", False, (buf, root), {},
+                            _direct_bcast)
+        if hub.count is not None:
+            hub.count[0] += 1
         d = direct(buf, True)
         if d is not None and type(root) is int and 0 <= root < self.size:
             return Request(_hold(self.handle.Ibcast([d[0], d[1], mpi_type(d[2])], root), buf))

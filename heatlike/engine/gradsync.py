@@ -68,7 +68,10 @@ def _complete_all(requests: dict) -> None:
         return
     for request in requests.values():
         if not request.done:
-            request.Wait()
+            try:
+                request.Wait()
+            except (RuntimeError, TimeoutError):
+                return  # the job is failing already (a peer ended or diverged): it was reported
 
 
 class GradientSync:

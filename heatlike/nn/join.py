@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..core import checks as _checks
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine.reducers import AllReduce
@@ -63,6 +64,8 @@ class Join:
                  throw_on_early_termination: bool = False,
                  comm: MPICommunication | None = None) -> None:
         from ..optim.centralized import GenericCentralizedOptimizer
+        from ..optim.dp_optimizer import DataParallelOptimizer
+        from ..optim.wrapping import WrappedOptimizer
 
         joinables = list(joinables) if not isinstance(joinables, (torch.nn.Module,
                                                                    torch.optim.Optimizer)) \
@@ -76,9 +79,20 @@ class Join:
             if isinstance(j, DataParallel):
                 self.models.append(j)
                 comms.append(j.comm)
+            elif isinstance(j, DataParallelOptimizer):
+                # joins through its model, which must be among the joinables
+                if not any(m.optimizer is j for m in joinables if isinstance(m, DataParallel)):
+                    error = error or ValueError(
+                        "a DataParallelOptimizer joins through its DataParallel model: pass the "
+                        "model (Join([model]) is enough)")
             elif isinstance(j, GenericCentralizedOptimizer) and j.agg_grad:
                 self.optimizers.append(j)
                 comms.append(j.comm)
+            elif isinstance(j, WrappedOptimizer):
+                error = error or TypeError(
+                    f"Join cannot stand in for {type(j).__name__}: it shadows gradient averages "
+                    "only (DataParallel, the centralized gradient-averaging optimizers and local "
+                    "torch optimizers)")
             elif isinstance(j, torch.optim.Optimizer):
                 self.torch_optimizers.append(j)
             else:
@@ -111,7 +125,8 @@ class Join:
             return self
         if _CURRENT:
             raise RuntimeError("Join contexts cannot be nested")
-        self._channel = self.comm.handle.Dup()
+        # non-blocking duplicate, waited for with the deadline and the boards' ended ranks
+        self._channel = _checks.private_duplicate(self.comm, "entering heatlike.nn.Join")
         self.iterations, self.joined, self.active = 0, False, self.comm.size
         for model in self.models:
             model._join = self
@@ -143,8 +158,18 @@ class Join:
     def _allreduce(self, active: int, syncing: int) -> tuple[int, int]:
         counts = np.array([active, syncing], dtype=np.int64)
         highest = np.array([self.comm.rank if active else -1], dtype=np.int64)
-        MPI.Request.Waitall([self._channel.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM),
-                             self._channel.Iallreduce(MPI.IN_PLACE, highest, MPI.MAX)])
+        requests = [self._channel.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM),
+                    self._channel.Iallreduce(MPI.IN_PLACE, highest, MPI.MAX)]
+        board = self.comm._hub.board
+        watch = None
+        if board is not None and board.established:
+            # a rank whose program ended never notifies again
+            def watch() -> None:
+                board.verify(lambda: f"heatlike.nn.Join's notification on {self.comm!r}",
+                             any_ended=True, steps=False)
+        for request in requests:
+            _checks.wait(request, lambda: f"heatlike.nn.Join's notification on {self.comm!r}",
+                         watch=watch)
         if highest[0] >= 0:
             for model in self.models:
                 model._buffer_root = int(highest[0])
@@ -202,7 +227,7 @@ class Join:
 
     def _finish(self) -> None:
         """Every rank has joined: make the replicas equal to the last rank to join."""
-        counts = self.comm.handle.allgather(self.iterations)
+        counts = _checks.gather_objects(self.comm, self.iterations, "heatlike.nn.Join's end")
         last = int(np.argmax(counts))
         for model in self.models:
             broadcast_module(model.module, self.comm, root=last)

@@ -4,7 +4,9 @@ When one rank of an MPI job dies from an exception while the others wait in a co
 job hangs until the batch system kills it. With :func:`install_abort_handler` (or
 ``python -m heatlike script.py``, or the :func:`abort_on_exception` decorator / context manager)
 an uncaught exception on any rank prints the rank and the traceback to stderr and calls
-``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job.
+``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job. The same handlers make a rank
+whose program ends while another rank waits for it in a collective abort the job, naming both
+(see ``heatlike.core.checks``, "End of the program").
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import traceback
 from types import TracebackType
 
 from mpi4py import MPI
+
+from ..core import checks as _checks
 
 __all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script",
            "configure_threads"]
@@ -54,10 +58,13 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
 
 def install_abort_handler() -> None:
     """Abort the whole MPI job on an uncaught exception in any thread of this process (only when
-    more than one rank runs; a single process exits normally)."""
+    more than one rank runs; a single process exits normally). Also, when this rank's program
+    ends while another rank waits for it in a collective it will never enter, abort the job
+    naming both (``heatlike.core.checks``) instead of leaving that rank waiting."""
     if MPI.COMM_WORLD.Get_size() > 1:
         sys.excepthook = _excepthook
         threading.excepthook = _thread_excepthook
+        _checks.abort_on_deadlock(True)
 
 
 class abort_on_exception(contextlib.ContextDecorator):
@@ -65,6 +72,8 @@ class abort_on_exception(contextlib.ContextDecorator):
     aborts the job (with more than one rank) instead of leaving other ranks waiting."""
 
     def __enter__(self) -> abort_on_exception:
+        if MPI.COMM_WORLD.Get_size() > 1:
+            _checks.abort_on_deadlock(True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -74,8 +83,17 @@ class abort_on_exception(contextlib.ContextDecorator):
 
 
 def run_script(path: str, argv: list[str]) -> None:
-    """Run a Python script as ``__main__`` with the abort handler installed."""
+    """Run a Python script as ``__main__`` with the abort handler installed.
+
+    Before the script runs (a point every rank reaches first, before any collective of the
+    script), the world communicator's board is set up (``heatlike.core.checks``): from then on
+    each rank counts the heatlike collectives it enters on ``heatlike.MPI_WORLD`` in a window the
+    others can read, so that a rank whose script ends (``sys.exit``, the end of the file) while
+    another waits for it in a collective aborts the job with both ranks named."""
     install_abort_handler()
+    from ..core.communication import MPI_WORLD
+
+    MPI_WORLD._arrival_board("the start of the program (python -m heatlike)")
     sys.argv = [path, *argv]
     runpy.run_path(path, run_name="__main__")
 
