@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from mpi4py import MPI
 
 import heatlike as hl
 from heatlike.core import topology as topo_mod
@@ -93,8 +94,10 @@ def test_environment_overrides(comm, monkeypatch):
     with pytest.raises(ValueError, match="HEATLIKE_NODE_IDS"):
         topo_mod.detect_node_ids(comm)
     monkeypatch.delenv("HEATLIKE_NODE_IDS")
-    # without overrides, a single machine is one node
-    assert topo_mod.detect_node_ids(comm) == [0] * comm.size
+    # without overrides, the ranks of one machine form one node (one per host on the virtual
+    # cluster of the matrix's --real-nodes run, where every node has its own hostname)
+    hosts = comm.handle.allgather(MPI.Get_processor_name())
+    assert topo_mod.detect_node_ids(comm) == [list(dict.fromkeys(hosts)).index(h) for h in hosts]
 
 
 def test_bad_layouts_raise_on_every_rank(comm):
