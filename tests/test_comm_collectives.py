@@ -269,3 +269,20 @@ def test_contiguous_buffers_are_handed_over_not_copied():
     assert view.data_ptr() == a.ctypes.data
     strided = base[::2]
     assert _buffers.readable(strided) is not strided and _buffers.direct(strided, False) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_wait_fills_the_status_on_a_watched_communicator(comm):
+    """Once a training model watches the communicator (its waits are polled against the board),
+    Request.Wait(status) still fills the status."""
+    from heatlike.nn import DataParallel
+
+    DataParallel(torch.nn.Linear(2, 2), comm)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    recv = torch.zeros(3)
+    req = comm.Irecv(recv, source=left, tag=9)
+    comm.Send(torch.full((3,), float(comm.rank)), dest=right, tag=9)
+    status = MPI.Status()
+    req.Wait(status)
+    assert status.Get_source() == left and status.Get_tag() == 9
+    assert torch.equal(recv, torch.full((3,), float(left)))

@@ -88,7 +88,8 @@ class Request:
             if self._board is None and not _checks.watching():
                 self._req.Wait(status)  # a heatlike request inside polls if it must
             else:
-                _checks.wait(self._req, lambda: self._label, self._board, self._seq)
+                _checks.wait(self._req, lambda: self._label, self._board, self._seq,
+                             status=status)
             self._advance()
 
     def Test(self, status: MPI.Status | None = None) -> bool:

@@ -611,8 +611,9 @@ def describe(signature) -> str:
 
 def wait(request, what: Callable[[], str], board: Board | None = None, seq: int = 0,
          watch: Callable[[], None] | None = None, every: float = 0.5,
-         who: Callable[[], str] | None = None) -> None:
-    """Wait for an MPI (or heatlike) request, honouring the deadline; on expiry raise
+         who: Callable[[], str] | None = None, status: MPI.Status | None = None) -> None:
+    """Wait for an MPI (or heatlike) request (filling ``status``, if given, as ``Wait`` does),
+    honouring the deadline; on expiry raise
     TimeoutError naming ``what()`` and, with a board, the ranks that have not arrived (else
     ``who()``, if given).
 
@@ -625,14 +626,14 @@ def wait(request, what: Callable[[], str], board: Board | None = None, seq: int 
     if board is None:
         board = _innermost(request, None, 0)[0]
     if limit is None and stall is None and watch is None and board is None:
-        request.Wait()
+        request.Wait(status)
         return
     start = time.monotonic()
     deadline = start + limit if limit is not None else None
     warn_at = start + stall if stall is not None else None
     next_watch = start + min(0.1, every)
     grace = start + 0.2 if _exit["done"] else None
-    while not request.Test():
+    while not request.Test(status):
         now = time.monotonic()
         if deadline is not None and now > deadline:
             raise TimeoutError(_stalled(request, what, board, seq,
