@@ -198,7 +198,7 @@ def test_hooks_and_state_dict_in_torch_format(comm, blocking):
     assert plain.state_dict()["state"][0]["step"].item() == 2
     with pytest.raises(RuntimeError, match="before wrapping"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
-    with pytest.raises(TypeError, match="local torch optimizer"):
+    with pytest.raises(TypeError, match="plain torch optimizer"):
         DataParallelOptimizer(opt)
 
 

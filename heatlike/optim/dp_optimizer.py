@@ -62,10 +62,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"torch_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(torch_optimizer).__name__}")
-        if isinstance(torch_optimizer, WrappedOptimizer):
-            raise TypeError(f"torch_optimizer must be a local torch optimizer, got heatlike's "
-                            f"{type(torch_optimizer).__name__}, which synchronizes on its own")
-        self._wrap(torch_optimizer)
+        self._wrap(torch_optimizer)  # refuses heatlike's own optimizers
         self.blocking = bool(blocking)
         self._model: DataParallel | None = None
         self._pending: list[int] = []  # buckets stepped by step() but not yet applied

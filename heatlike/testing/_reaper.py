@@ -63,7 +63,7 @@ def sweep(tag: str, rounds: int = 5) -> int:
                 os.kill(p, signal.SIGKILL)
                 killed.add(p)
             except OSError:
-                pass
+                pass  # it ended between the scan and the kill
         time.sleep(0.05)
     return len(killed)
 
@@ -79,7 +79,7 @@ def _watch(runner: int, tag: str) -> None:
         while started is not None and _start_time(runner) == started:
             time.sleep(0.5)
     except SystemExit:
-        pass
+        pass  # a signal ended the wait: sweep now
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     sweep(tag)
