@@ -432,6 +432,33 @@ def test_a_load_failing_on_one_rank_is_undone_on_every_rank(comm, tmp_path, monk
     assert all(torch.equal(p, q) for p, q in zip(target.parameters(), twin.parameters()))
 
 
+def test_a_failed_load_leaves_a_running_epoch_and_the_next_one_alone(comm, tmp_path):
+    """The loader is restored mid-epoch, then the load fails: the epoch being iterated goes on
+    with its next batch and the following epoch starts at its first batch (a put-back loader
+    once skipped the restored position at the start of the next epoch)."""
+    path = _shared_path(comm, tmp_path, "loader.ckpt")
+    x, y = _data()
+    saved = DataLoader(Dataset(x, y), batch_size=8, seed=1, comm=comm)
+    for _ in zip(range(1), saved):
+        pass
+    checkpoint.save(path, torch.nn.Linear(1, 1), loader=saved, fussy=Fussy(set()))
+
+    def epochs(broken: bool) -> list[torch.Tensor]:
+        loader = DataLoader(Dataset(x, y), batch_size=8, seed=1, comm=comm)
+        served, it = [], iter(loader)
+        served.append(next(it)[1])
+        if broken:
+            with pytest.raises(CheckpointError, match="restoring"):
+                checkpoint.load(path, torch.nn.Linear(1, 1), loader=loader,
+                                fussy=Fussy({comm.size - 1}))
+        served += [b[1] for b in it] + [b[1] for b in loader]
+        return served
+
+    plain, broken = epochs(False), epochs(True)
+    assert len(broken) == len(plain) == 2 * len(saved)
+    assert all(torch.equal(a, b) for a, b in zip(plain, broken))
+
+
 # -- pending deferred updates --------------------------------------------------------------------
 
 def _deferred(comm):

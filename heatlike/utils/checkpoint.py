@@ -965,13 +965,14 @@ def _apply(plan: _Plan, comm: MPICommunication) -> None:
     undo: list[tuple[str, Callable[[], None]]] = []
     error = None
 
-    def step(what: str, snapshot: Callable, restore: Callable, state) -> None:
+    def step(what: str, snapshot: Callable, restore: Callable, state,
+             put_back: Callable | None = None) -> None:
         try:
             saved = snapshot()
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"copying the state of {what} before restoring it failed "
                                   f"({type(e).__name__}: {e})") from e
-        undo.append((what, lambda: restore(saved)))
+        undo.append((what, lambda: (put_back or restore)(saved)))
         try:
             restore(state)
         except Exception as e:  # noqa: BLE001
@@ -988,8 +989,13 @@ def _apply(plan: _Plan, comm: MPICommunication) -> None:
             step("the optimizer", lambda: _copy(plan.optimizer.state_dict()),
                  plan.optimizer.load_state_dict, plan.optimizer_state)
         for name, obj in plan.stateful.items():
-            step(repr(name), lambda obj=obj: _copy(obj.state_dict()),
-                 obj.load_state_dict, plan.states[name])
+            exact = getattr(obj, "_exact_state", None)  # objects whose state_dict is not all
+            if exact is not None:
+                step(repr(name), exact, obj.load_state_dict, plan.states[name],
+                     obj._set_exact_state)
+            else:
+                step(repr(name), lambda obj=obj: _copy(obj.state_dict()),
+                     obj.load_state_dict, plan.states[name])
         if plan.rng_state is not None:
             step("the random generators", rng_state, set_rng_state, plan.rng_state)
     except Exception as e:  # noqa: BLE001 - shared with every rank below

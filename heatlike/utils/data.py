@@ -245,6 +245,17 @@ class DataLoader:
         self._skip = int(state["samples"]) // self.sampler.global_batch_size
         self._position = self._skip
 
+    def _exact_state(self) -> tuple[int, int, int]:
+        """Everything :meth:`load_state_dict` changes, including the batches the next iteration
+        skips, which ``state_dict`` cannot tell from the batches served by an iteration still
+        running: a failed checkpoint load puts this back (``_set_exact_state``) so that a live
+        iteration goes on, and the next one starts, exactly as before the load."""
+        return self.sampler.epoch, self._position, self._skip
+
+    def _set_exact_state(self, state: tuple[int, int, int]) -> None:
+        epoch, self._position, self._skip = state
+        self.sampler.set_epoch(epoch)
+
     def _batches(self, skip: int = 0) -> Iterator:
         ds = self.dataset
         if not (isinstance(ds, Dataset) and ds.distributed):
