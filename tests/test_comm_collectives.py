@@ -286,3 +286,41 @@ def test_wait_fills_the_status_on_a_watched_communicator(comm):
     req.Wait(status)
     assert status.Get_source() == left and status.Get_tag() == 9
     assert torch.equal(recv, torch.full((3,), float(left)))
+
+
+def test_point_to_point_is_not_counted_as_a_collective(comm):
+    """On a communicator a gradient synchronization watches, messages between some ranks only
+    (blocking or not) leave every rank's collective position alone: the next training step is
+    not taken for a rank that ran another number of steps."""
+    from heatlike.nn import DataParallel
+    from heatlike.optim import DataParallelOptimizer
+
+    if comm.size == 1:
+        pytest.skip("one rank: the training step does not communicate")
+    with comm.Dup() as c:
+        net = torch.nn.Linear(3, 2)
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+        model = DataParallel(net, c, optimizer=opt)
+
+        def step():
+            opt.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+
+        step()
+        before = c._hub.board.seq
+        if c.rank < 2:  # ranks 0 and 1 only, each way, both kinds
+            peer, buf = 1 - c.rank, torch.zeros(4)
+            reqs = [c.Isend(torch.full((4,), float(c.rank)), dest=peer, tag=7),
+                    c.Irecv(buf, source=peer, tag=7)]
+            for r in reqs:
+                r.Wait()
+            assert buf.tolist() == [float(peer)] * 4
+            if c.rank == 0:
+                c.Send(torch.ones(2), dest=1, tag=8)
+            else:
+                c.Recv(buf[:2], source=0, tag=8)
+        assert c._hub.board.seq == before
+        step()
+        after = c.handle.allgather(c._hub.board.seq)
+        assert after[0] > before and after == [after[0]] * c.size

@@ -287,7 +287,7 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
 
 def _operation(gen: Callable[..., Operation], blocking: bool, name: str, doc: str) -> Callable:
     """Make the public blocking (``name``) or non-blocking (``I``-name) method of an operation."""
-    base = name[1:] if not blocking else name
+    base = name if blocking else name[1].upper() + name[2:]  # "Isend": "Send"
     _checks.opcode(base)  # known by name in every process, for the check mode's messages
     collective = base not in _POINT_TO_POINT
     if blocking:
