@@ -7,7 +7,9 @@ communication pattern, :data:`QUICK`; ``--algorithms a,b`` chooses):
   after every epoch (the accuracy-against-time curve, also used by the ``tta`` suite), the final
   accuracy, the median step time and the payload bytes sent per rank per step;
 * on a larger synthetic MLP (784-1024-1024-10, 1.9M parameters): the bytes per rank per step and
-  their ratio to the plain float32 all-reduce, and the median step time.
+  their ratio to the plain float32 all-reduce, the median step time, and of it the time spent
+  in the codec's own computations (encoding and decoding, ``heatlike.engine.exchange.CodecClock``;
+  the slowest rank's mean per step): what a compression costs apart from its communication.
 
 "Bytes" are the payload a rank hands to collectives per step (for gossip, once per neighbor).
 Targets: bf16 cast 0.5x, PowerSGD rank 2 <= 0.1x and top-k 1% <= 0.05x (values and indices) and
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 from mpi4py import MPI
 
 from ..core.communication import MPI_WORLD
+from ..engine.exchange import CODEC_CLOCK
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment, progress, say
 from .workloads import ALGORITHMS, digits_task, load_digits_split, make_runner, mlp, train_task
@@ -47,8 +51,14 @@ def choose_algorithms(names: str | None, quick: bool) -> list[str]:
     return list(QUICK) if quick else list(ALGORITHMS)
 
 
-def large_step_stats(name: str, steps: int) -> tuple[float, float]:
-    """(median step seconds, slowest rank; bytes per step) on the larger synthetic MLP."""
+class LargeStep(NamedTuple):
+    step: float    # median step seconds, slowest rank
+    bytes: float   # bytes per step
+    codec: float   # seconds per step in the codec (encode and decode), slowest rank
+
+
+def large_step_stats(name: str, steps: int) -> LargeStep:
+    """Step time, bytes and codec time per step on the larger synthetic MLP."""
     comm = MPI_WORLD
     net = mlp(LARGE, seed=0)
     runner = make_runner(name, net, comm, lr=0.01)
@@ -61,6 +71,7 @@ def large_step_stats(name: str, steps: int) -> tuple[float, float]:
     runner.end_epoch(runner.train_step(x, y))
     runner.start_epoch(2 * max(steps, 4))  # no end-of-epoch synchronization while timed
     before = runner.bytes_sent()
+    codec_before = CODEC_CLOCK.seconds
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -68,7 +79,8 @@ def large_step_stats(name: str, steps: int) -> tuple[float, float]:
         times.append(time.perf_counter() - start)
     runner.finish()
     step = comm.handle.allreduce(statistics.median(times), op=MPI.MAX)
-    return step, (runner.bytes_sent() - before) / steps
+    codec = comm.handle.allreduce((CODEC_CLOCK.seconds - codec_before) / steps, op=MPI.MAX)
+    return LargeStep(step, (runner.bytes_sent() - before) / steps, codec)
 
 
 def record_curve(results: Results, suite: str, task: str, name: str, curve) -> None:
@@ -89,7 +101,7 @@ def run(results: Results, quick: bool = False, algorithms: str | None = None) ->
     say(f"# algorithms: digits MLP {epochs} epochs, batch {task.batch_size} per rank; synthetic "
         f"MLP {'-'.join(map(str, LARGE))}, batch {LARGE_BATCH}; {describe_environment(comm)}")
     say(f"{'algorithm':>22} {'digits acc':>10} {'digits ms':>9} {'digits B':>9} "
-        f"{'large MB':>9} {'ratio':>7} {'large ms':>9}")
+        f"{'large MB':>9} {'ratio':>7} {'large ms':>9} {'codec ms':>9}")
     baseline = None
     for name in progress(names, "algorithms"):
         digits = train_task(name, MPI_WORLD, task, epochs, curve=True)
@@ -97,7 +109,7 @@ def run(results: Results, quick: bool = False, algorithms: str | None = None) ->
                                             "suite": "algorithms"}
         record_curve(results, "algorithms", "digits", name, digits.curve)
         digits_step = comm.allreduce(statistics.median(digits.step_times), op=MPI.MAX)
-        large_step, large_bytes = large_step_stats(name, steps)
+        large_step, large_bytes, codec = large_step_stats(name, steps)
         if baseline is None:
             baseline = large_bytes
         ratio = large_bytes / baseline if baseline else float("nan")
@@ -106,8 +118,9 @@ def run(results: Results, quick: bool = False, algorithms: str | None = None) ->
                                     ("digits bytes per step", digits.bytes_per_step, "bytes"),
                                     ("large bytes per step", large_bytes, "bytes"),
                                     ("large bytes ratio to " + names[0], ratio, "ratio"),
-                                    ("large step time", large_step * 1e3, "ms")):
+                                    ("large step time", large_step * 1e3, "ms"),
+                                    ("large codec time per step", codec * 1e3, "ms")):
             results.add("algorithms", name, metric, value, unit)
         say(f"{name:>22} {digits.accuracy:10.4f} {digits_step * 1e3:9.2f} "
             f"{digits.bytes_per_step:9.0f} {large_bytes / 1e6:9.3f} {ratio:7.3f} "
-            f"{large_step * 1e3:9.2f}")
+            f"{large_step * 1e3:9.2f} {codec * 1e3:9.2f}")

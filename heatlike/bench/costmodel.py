@@ -465,7 +465,7 @@ def run(results, quick: bool = False, algorithms: str | None = None, links: str 
         measured = results.value("algorithms", name, "large step time")
         measured_b = results.value("algorithms", name, "large bytes per step")
         if measured is None and name in measure_here:
-            step, measured_b = large_step_stats(name, 2 if quick else 5)
+            step, measured_b, _ = large_step_stats(name, 2 if quick else 5)
             measured = step * 1e3
             results.add("costmodel", name, "measured step time", measured, "ms",
                         ranks=here.ranks)

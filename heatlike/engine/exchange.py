@@ -17,6 +17,7 @@ between them, and finalizes on every completion path; run by ``drive`` it blocks
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ import torch
 
 from ..core._requests import Operation, Request
 
-__all__ = ["Sum", "Gather", "Context", "exchange", "Lane"]
+__all__ = ["Sum", "Gather", "Context", "exchange", "Lane", "CodecClock", "CODEC_CLOCK"]
 
 
 @dataclass
@@ -84,6 +85,18 @@ def _integers(key: object) -> tuple[int, ...]:
     raise TypeError(f"exchange keys are ints, strings or tuples of them, got {type(key)}")
 
 
+class CodecClock:
+    """Seconds this process spent inside codecs, summed over every exchange: ``pre``, the
+    encoding before the first message and each step of ``rounds`` after a result came back
+    (decoding, and the next round's encoding). The rest of an exchange is the reducers'
+    communication. ``python -m heatlike.bench algorithms`` reports it per step."""
+
+    seconds: float = 0.0
+
+
+CODEC_CLOCK = CodecClock()
+
+
 def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
              flags: torch.Tensor | None = None, channel=None) -> Operation:
     """Average (or otherwise reduce) ``values`` over ranks with ``codec`` and ``reducer``.
@@ -94,13 +107,18 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     (``codec.carries_flags``: identity, cast) can instead be given values and flags as one tensor.
     ``channel`` (from ``reducer.open_channel()``) runs the collectives on private communicators.
     """
+    clock = time.perf_counter
+    began = clock()
     codec.pre(values)        # on the raw values (clipping)
+    spent = clock() - began
     token = reducer.prepare(values)  # then the reducer's scaling (division before the sum)
     flag_request = None
     if flags is not None:
         flag_request = reducer.start_flags(flags, channel=channel)
+    began = clock()
     rounds = codec.rounds(values, ctx)
     message = next(rounds, None)
+    spent += clock() - began
     while message is not None:
         if isinstance(message, Sum):
             yield from reducer.combine(message.tensor, channel=channel)
@@ -108,10 +126,13 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
         else:
             result = yield from reducer.gather(message.tensors, message.variable,
                                                channel=channel)
+        began = clock()
         try:
             message = rounds.send(result)
         except StopIteration:
             message = None
+        spent += clock() - began
+    CODEC_CLOCK.seconds += spent
     if flag_request is not None:
         yield flag_request
     reducer.finish(values, token)
