@@ -43,8 +43,8 @@ lint: setup
 	$(PY) -m ruff check heatlike tests examples
 
 test: lint
-	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3,4 --fake-nodes 2 \
-		--timeout 2400
+	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3 --nodes-size 4 \
+		--fake-nodes 2 --timeout 2400
 
 bench: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench all --quick --json bench-results/results.json \

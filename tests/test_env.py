@@ -153,8 +153,8 @@ def test_benchmark_layout_label(monkeypatch):
 
 PROBE = ("import logging, heatlike; from heatlike.core import checks; "
          "from heatlike.core.log import get_logger; get_logger(); "
-         "print('settings', checks.checking(), checks.timeout(), checks.stall_warning(), "
-         "logging.getLogger('heatlike').level, flush=True)")
+         "print(f'settings {checks.checking()} {checks.timeout()} {checks.stall_warning()} "
+         "{logging.getLogger(\"heatlike\").level}', flush=True)")  # one write: ranks interleave
 
 
 def _probe(ranks: int, **variables: str) -> subprocess.CompletedProcess:

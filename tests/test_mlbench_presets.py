@@ -678,11 +678,14 @@ _DIGITS = {}
 @pytest.mark.parametrize("name", sorted(__import__("heatlike.bench.workloads",
                                                    fromlist=["ALGORITHMS"]).ALGORITHMS))
 def test_every_algorithm_learns_digits(comm, name):
-    """At 4 ranks every algorithm reaches >= 0.93 test accuracy on the digits in 8 epochs."""
+    """At 4 ranks on several nodes (the test matrix's multi-node run: DASO and the hierarchical
+    presets use their node-local paths) every algorithm reaches >= 0.92 test accuracy on the
+    digits in 5 epochs."""
     from heatlike.bench.workloads import load_digits_split, train_digits
+    from heatlike.core.topology import get_topology
 
-    if comm.size != 4:
-        pytest.skip("the accuracy check runs at 4 ranks")
+    if comm.size != 4 or get_topology(comm).num_nodes < 2:
+        pytest.skip("the accuracy check runs at 4 ranks on several nodes")
     data = _DIGITS.setdefault("data", load_digits_split(0))
-    result = train_digits(name, comm, epochs=8, data=data)
-    assert result.accuracy >= 0.93, f"{name}: {result.accuracy:.4f}"
+    result = train_digits(name, comm, epochs=5, data=data)
+    assert result.accuracy >= 0.92, f"{name}: {result.accuracy:.4f}"

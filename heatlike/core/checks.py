@@ -285,6 +285,7 @@ class Board:
         # explain_steps(board, rows, ended, s) -> str
         self.explain_steps: Callable | None = None
         self._idup = None  # (duplicate, request) while the setup waits
+        self._late: list[tuple[MPI.Request, np.ndarray]] = []  # unanswered gets (read)
 
     @property
     def established(self) -> bool:
@@ -389,15 +390,23 @@ class Board:
         self.window.Sync()
         if self.shared is not None:
             return [row.copy() for row in self.shared]
+        # a get the target has not answered stays pending with its buffer (it completes when
+        # the target next makes MPI progress, at the latest when the window is freed)
+        self._late = [(q, buf) for q, buf in self._late if not q.Test()]
         rows: list[np.ndarray | None] = [np.zeros(_SLOTS, dtype=np.int64)
                                          for _ in range(self.size)]
-        requests = [self.window.Rget(rows[r], r) if r != self.rank else MPI.REQUEST_NULL
-                    for r in range(self.size)]
+        requests = {r: self.window.Rget(rows[r], r) for r in range(self.size) if r != self.rank}
         deadline = time.monotonic() + patience
-        while not MPI.Request.Testall(requests) and time.monotonic() < deadline:
+        while True:
+            requests = {r: q for r, q in requests.items() if not q.Test()}
+            if not requests or time.monotonic() >= deadline:
+                break
             time.sleep(1e-4)
+        for r, q in requests.items():
+            self._late.append((q, rows[r]))
+            rows[r] = None
         rows[self.rank] = self.local.copy()
-        return [row if q == MPI.REQUEST_NULL else None for row, q in zip(rows, requests)]
+        return rows
 
     def where(self, patience: float = 1.0) -> list[tuple[int, str] | None]:
         """(sequence number, operation) of every rank, read from their windows (None for a rank
@@ -407,15 +416,17 @@ class Board:
                 for r in self.read(patience)]
 
     def stragglers(self, seq: int) -> str:
-        """Who has not reached collective number ``seq`` yet, and where they are."""
-        rows = self.read()
+        """Who has not reached collective number ``seq`` yet, and where they are. A rank on
+        another node answers only while it makes MPI progress: one that computes or sleeps
+        outside MPI "does not answer" (waiting for it would report where it is afterwards)."""
+        rows = self.read(patience=0.25)
         behind = [(r, row) for r, row in enumerate(rows) if row is None or row[SEQ] < seq]
         if not behind:
             return "every rank has entered it (it may be waiting on the interconnect)"
         parts = []
         for r, row in behind:
             if row is None:
-                parts.append(f"rank {r} does not answer")
+                parts.append(f"rank {r} does not answer (busy outside MPI, or unreachable)")
             else:
                 ended = ", its program has ended" if row[ENDED] else ""
                 op = operation(row) if row[SEQ] else opname(0)
@@ -511,7 +522,8 @@ class Board:
         if self.window is not None and not self.closed:
             self.closed = True
             self.hub.count = None
-            self.window.Unlock_all()
+            self.window.Unlock_all()  # completes the late gets too
+            self._late = []
             self.window.Free()
 
 

@@ -1,15 +1,16 @@
 """Run the test suite under ``mpiexec`` at several world sizes and on an emulated multi-node layout.
 
     python -m heatlike.testing.matrix [--sizes 1,2,3,4] [--fake-nodes 2] [--real-nodes 2]
-                                      [--mpiexec CMD] [--timeout S] [-- PYTEST ARGS]
+                                      [--nodes-size N] [--mpiexec CMD] [--timeout S]
+                                      [-- PYTEST ARGS]
 
 At one rank every test runs; at more ranks only the tests marked ``@pytest.mark.mpi`` (pytest-mpi)
-do. ``--fake-nodes K`` adds a run at the largest size with ``HEATLIKE_RANKS_PER_NODE`` set so
-that the ranks form K emulated nodes. ``--real-nodes N`` runs them instead on N nodes of a
-virtual cluster (``heatlike.testing.cluster``: network namespaces joined by rate-limited links,
-``--link-rate``), ranks in blocks, and checks that the links carried the inter-node traffic; where
-the cluster cannot start (not root, tools missing, namespaces refused, not MPICH's Hydra) the
-summary says why and the emulated run takes its place.
+do. ``--fake-nodes K`` adds a run at the largest size (or at ``--nodes-size``) with
+``HEATLIKE_RANKS_PER_NODE`` set so that the ranks form K emulated nodes. ``--real-nodes N`` runs
+them instead on N nodes of a virtual cluster (``heatlike.testing.cluster``: network namespaces
+joined by rate-limited links, ``--link-rate``), ranks in blocks, and checks that the links carried
+the inter-node traffic; where the cluster cannot start (not root, tools missing, namespaces
+refused, not MPICH's Hydra) the summary says why and the emulated run takes its place.
 
 Rank 0 prints pytest's output; the other ranks write theirs to ``.test-logs/<run>/rank<r>.log``
 (the plugin copies every rank's failures into rank 0's report).
@@ -339,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run the multi-rank tests at the largest size on this many nodes of a "
                         "virtual cluster (heatlike.testing.cluster; needs root) instead of the "
                         "emulated run, which stays the fallback when the cluster cannot start")
+    p.add_argument("--nodes-size", type=int, default=0,
+                   help="world size of the multi-node run (real or emulated nodes); default: "
+                        "the largest of --sizes. A size not in --sizes runs only on nodes")
     p.add_argument("--link-rate", default="10gbit",
                    help="the virtual cluster's link rate (default 10gbit)")
     p.add_argument("--log-dir", default=".test-logs")
@@ -349,12 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         selection = ["--with-mpi"] if size == 1 else ["--only-mpi"]
         runs.append(Run(f"np={size}", size, {}, [*selection, *extra]))
     real, why = None, ""
-    if opts.real_nodes and sizes:
-        real, why = _real_nodes_run(opts, max(sizes), extra)
-        runs.append(real or Run(f"np={max(sizes)}, {opts.real_nodes} real nodes", max(sizes),
+    size = opts.nodes_size or max(sizes, default=0)
+    if opts.real_nodes and size:
+        real, why = _real_nodes_run(opts, size, extra)
+        runs.append(real or Run(f"np={size}, {opts.real_nodes} real nodes", size,
                                 {}, [], status="skipped", note=f"not run: {why}"))
-    if opts.fake_nodes and sizes and real is None:
-        size = max(sizes)
+    if opts.fake_nodes and size and real is None:
         per_node = -(-size // opts.fake_nodes)
         runs.append(Run(f"np={size}, {opts.fake_nodes} emulated nodes", size,
                         {"HEATLIKE_RANKS_PER_NODE": str(per_node)}, ["--only-mpi", *extra],
@@ -378,7 +382,7 @@ def _real_nodes_run(opts: argparse.Namespace, size: int,
     try:
         if opts.real_nodes < 2 or size < opts.real_nodes:
             raise ValueError(f"--real-nodes {opts.real_nodes}: give 2 or more nodes, at most "
-                             f"the largest size ({size})")
+                             f"the multi-node run's size ({size})")
         # a name of its own: other runners and the cluster tests may have clusters up
         cluster = VirtualCluster([per_node] * opts.real_nodes, opts.link_rate,
                                  name=f"hlm{os.getpid() % 100000}", mpiexec=opts.mpiexec)
