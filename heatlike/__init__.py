@@ -16,4 +16,21 @@ from .core import (  # noqa: F401
 # isort: split
 # the distributed tensor: DNDarray, its factories and operations, heatlike.random
 from . import random  # noqa: F401
+
+# Heat's module names: heatlike.types, heatlike.devices, heatlike.communication, ...
+from .core import (  # noqa: E402, F401
+    arithmetics,
+    communication,
+    devices,
+    dndarray,
+    factories,
+    indexing,
+    io,
+    linalg,
+    manipulations,
+    reductions,
+    statistics,
+    stride_tricks,
+    types,
+)
 from .core.tensor import *  # noqa: F401, F403

@@ -1,14 +1,25 @@
 """Random DNDarrays whose values do not depend on the number of ranks.
 
-Generation is counter-based: element ``i`` (its index in the C-order flattening of the global
-array) of the ``c``-th random call after ``seed(s)`` is a function of ``(s, c, i)`` only. Its
-random words are those numbered ``i * per`` to ``i * per + per - 1`` (``per``: 1 for float32, 2
-for float64 and integers, 4 for normal samples), and word ``w`` is word ``w % 4`` of the
-Philox4x32-10 block cipher (Salmon et al., SC'11) applied to the counter ``(w // 4, c)`` with key
-``s``. Each rank evaluates it for its own elements (vectorized numpy, in chunks), so the
-concatenation of the local parts equals the one-rank result for the same seed, whatever the
-layout; no communication is needed. Values are generated on the host and moved to the array's
-device.
+Element ``i`` (its index in the C-order flattening of the global array) of the ``c``-th random
+call after ``seed(s)`` is a function of ``(s, c, i)`` only. The ``c``-th call reads one stream
+of 64-bit words: numpy's PCG64DXSM bit generator seeded with ``numpy.random.SeedSequence([s,
+c])``, whose ``advance(n)`` jumps ``n`` words ahead in O(log n) steps, so any position of the
+stream can be read directly. Element ``i`` takes its values from a fixed position of that
+stream:
+
+* float32 / float16 / bfloat16 uniforms: 32-bit half-word ``i`` (the low half of word ``i // 2``
+  first), turned into ``(h >> 8) * 2**-24`` as numpy's ``Generator.random(dtype=float32)`` does
+  (the half types keep the top 11 / 8 bits of that, truncated);
+* float64 uniforms: word ``i``, ``(w >> 11) * 2**-53`` (numpy's ``next_double``);
+* normal samples: float64 uniforms ``2i`` and ``2i + 1`` (Box-Muller);
+* integers and permutation keys: the top 63 bits of word ``i``.
+
+Each rank jumps numpy's generator (C code) to the start of each contiguous run of its own
+elements in the global flattening and draws exactly those values (one run for ``split=0`` or a
+replicated array, one per outer index otherwise; large parts are filled by several threads, each
+from its own position), so the concatenation of the local parts equals the one-rank result for
+the same seed, whatever the layout and the number of threads; no communication is needed. Values
+are made on the host and moved to the array's device.
 
 Every call is collective in the sense that all ranks must make the same sequence of calls (each
 advances the shared call counter). Without :func:`seed`, rank 0 draws a seed from the operating
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -37,19 +49,23 @@ from .core.indexing import take
 from .core.types import canonical_dtype
 
 __all__ = ["seed", "get_state", "set_state", "rand", "randn", "random", "random_sample",
-           "uniform", "normal", "randint", "permutation", "randperm", "philox"]
-
-_MASK = 0xFFFFFFFF
-_M0, _M1 = 0xD2511F53, 0xCD9E8D57
-_W0, _W1 = 0x9E3779B9, 0xBB67AE85
-_ROUNDS = 10
+           "uniform", "normal", "randint", "permutation", "randperm", "stream"]
 
 _state: dict = {"seed": None, "counter": 0}
 
 
 def seed(value: int | None = None, comm: MPICommunication | None = None) -> None:
     """Restart the generator from ``value`` (a non-negative integer below 2**64; None: a seed
-    drawn by rank 0 from the operating system and broadcast, a collective call)."""
+    drawn by rank 0 from the operating system and broadcast, a collective call).
+
+    As in Heat, torch's global generator is seeded with the same value too
+    (``torch.manual_seed``), so ``torch.rand`` and friends also agree on every rank after it."""
+    torch.manual_seed(_restart(value, comm))
+
+
+def _restart(value: int | None, comm: MPICommunication | None = None) -> int:
+    """Restart heatlike's stream from ``value`` (None: drawn by rank 0 and broadcast) without
+    touching torch's generator (lazy seeding and :func:`set_state` must not); returns the seed."""
     if value is None:
         comm = sanitize_comm(comm)
         value = comm.bcast(secrets.randbits(63) if comm.rank == 0 else None, root=0)
@@ -58,87 +74,172 @@ def seed(value: int | None = None, comm: MPICommunication | None = None) -> None
         raise ValueError(f"seed must be an integer in [0, 2**64), got {value!r}")
     _state["seed"] = int(value)
     _state["counter"] = 0
+    return int(value)
 
 
 def get_state() -> tuple[str, int | None, int]:
-    """``("Philox", seed, calls made since seeding)``."""
-    return "Philox", _state["seed"], _state["counter"]
+    """``("PCG64DXSM", seed, calls made since seeding)``."""
+    return "PCG64DXSM", _state["seed"], _state["counter"]
 
 
-def set_state(state: tuple[str, int, int]) -> None:
-    """Restore a state returned by :func:`get_state`."""
-    name, value, counter = state
-    if name != "Philox":
+def set_state(state: tuple) -> None:
+    """Restore a state returned by :func:`get_state`: ``(name, seed, counter)``; torch's
+    generator is left alone (a checkpoint restores it itself). Heat's states (``("Threefry",
+    seed, counter[, ...])``) are accepted too and do what Heat's ``set_state`` does: continue
+    from ``seed`` after ``counter`` calls (the values are heatlike's generator's, not Heat's) and
+    seed torch's generator with ``seed``."""
+    if not isinstance(state, (tuple, list)) or len(state) < 3:
+        raise TypeError("state must be a tuple (name, seed, counter)")
+    name, value, counter = state[0], state[1], state[2]
+    if name not in ("PCG64DXSM", "Philox", "Threefry"):
         raise ValueError(f"unknown generator {name!r}")
-    seed(value)
+    if isinstance(counter, bool) or not isinstance(counter, (int, np.integer)) or counter < 0:
+        raise ValueError(f"counter must be a non-negative integer, got {counter!r}")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                              or not 0 <= int(value) < 2 ** 64):
+        raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {value!r}")
+    _state["seed"] = None if value is None else int(value)
     _state["counter"] = int(counter)
+    if name == "Threefry" and value is not None:
+        torch.manual_seed(int(value))
 
 
 def _next_call(comm: MPICommunication) -> tuple[int, int]:
     if _state["seed"] is None:
-        seed(None, comm)
+        _restart(None, comm)
     call = _state["counter"]
     _state["counter"] += 1
     return _state["seed"], call
 
 
-def philox(counter: Sequence[np.ndarray], key: tuple[int, int]) -> list[np.ndarray]:
-    """Philox4x32-10 of the counters ``(c0, c1, c2, c3)`` (uint64 arrays of 32-bit values) under
-    ``key`` (two 32-bit integers); returns four uint64 arrays of 32-bit words. A product of two
-    32-bit values fits a uint64 exactly, so ``mulhi``/``mullo`` are a shift and a mask."""
-    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
-    k0, k1 = int(key[0]), int(key[1])
-    m0, m1, mask = np.uint64(_M0), np.uint64(_M1), np.uint64(_MASK)
-    shift = np.uint64(32)
-    for _ in range(_ROUNDS):
-        p0 = c0 * m0
-        p1 = c2 * m1
-        c0, c1, c2, c3 = ((p1 >> shift) ^ c1 ^ np.uint64(k0), p1 & mask,
-                          (p0 >> shift) ^ c3 ^ np.uint64(k1), p0 & mask)
-        k0, k1 = (k0 + _W0) & _MASK, (k1 + _W1) & _MASK
-    return [c0, c1, c2, c3]
-
-
-_CHUNK = 1 << 16
-
-
-def _words(index: np.ndarray, per: int, seed_value: int, call: int) -> np.ndarray:
-    """``(len(index), per)`` random 32-bit words (uint32) of the elements with the given global
-    indices (ascending), ``per`` in {1, 2, 4}. Word ``w`` of the call is word ``w % 4`` of Philox
-    at counter ``(w // 4, call)``; element ``i`` owns words ``i * per ... i * per + per - 1``, so
-    one Philox evaluation serves ``4 / per`` consecutive elements."""
-    key = (seed_value & _MASK, (seed_value >> 32) & _MASK)
-    out = np.empty((index.size, per), dtype=np.uint32)
-    hi_call, lo_call = np.uint64((call >> 32) & _MASK), np.uint64(call & _MASK)
-    lanes = np.arange(per, dtype=np.int64)
-    for start in range(0, index.size, _CHUNK):
-        w = index[start:start + _CHUNK] * per
-        c = w >> 2
-        first = np.empty(c.size, dtype=bool)
-        first[:1] = True
-        np.not_equal(c[1:], c[:-1], out=first[1:])
-        unique = c[first].astype(np.uint64)
-        words = np.empty((unique.size, 4), dtype=np.uint32)
-        for j, word in enumerate(philox((unique & np.uint64(_MASK), unique >> np.uint64(32),
-                                         np.full_like(unique, lo_call),
-                                         np.full_like(unique, hi_call)), key)):
-            words[:, j] = word
-        pos = (np.cumsum(first) - 1) * 4 + (w & 3)
-        out[start:start + c.size] = words.reshape(-1)[pos[:, None] + lanes]
+def stream(seed_value: int, call: int, start: int, count: int) -> np.ndarray:
+    """Words ``start`` to ``start + count - 1`` (uint64) of the stream of call ``call`` after
+    ``seed(seed_value)`` (module docstring): numpy's PCG64DXSM seeded with
+    ``SeedSequence([seed_value, call])``."""
+    out = np.empty(count, dtype=np.uint64)
+    _Stream(seed_value, call, "u64").fill(out, [(start, count)])
     return out
 
 
-def _global_index(shape: tuple[int, ...], split: int | None, lo: int, hi: int) -> np.ndarray:
-    """C-order global indices of the local part (``[lo, hi)`` along ``split``), ascending."""
+class _Stream:
+    """One call's stream, read in runs. ``kind``: ``"f64"`` (one word per value, numpy's
+    ``next_double``), ``"f32"`` (one 32-bit half-word per value, low half first, numpy's
+    ``next_float``) or ``"u64"`` (the raw words). The generator jumps to the start of each run
+    with ``advance`` (O(log n), numpy's C code; it also drops a half-word kept from the previous
+    run), and a run starting before the current position restarts it."""
+
+    _DTYPE = {"f64": np.float64, "f32": np.float32, "u64": np.uint64}
+
+    def __init__(self, seed_value: int, call: int, kind: str) -> None:
+        self.seed_seq = np.random.SeedSequence([int(seed_value), int(call)])
+        self.kind = kind
+        self._restart()
+
+    def _restart(self) -> None:
+        self.bg = np.random.PCG64DXSM(self.seed_seq)
+        self.gen = np.random.Generator(self.bg)
+        self.pos = 0  # in values of this kind
+
+    def _read(self, out: np.ndarray) -> None:
+        if self.kind == "u64":
+            out[:] = self.gen.integers(0, 2 ** 64, size=out.size, dtype=np.uint64)
+        else:
+            self.gen.random(out.size, dtype=self._DTYPE[self.kind], out=out)
+
+    def _goto(self, first: int) -> None:
+        if first == self.pos:
+            return
+        if first < self.pos:
+            self._restart()
+        if self.kind == "f32":
+            word, at = first // 2, -(-self.pos // 2)
+            self.bg.advance(word - at)  # also drops a buffered half-word
+            if first % 2:
+                self.gen.random(1, dtype=np.float32)
+        else:
+            self.bg.advance(first - self.pos)
+        self.pos = first
+
+    def fill(self, out: np.ndarray, runs: list[tuple[int, int]]) -> None:
+        """Write the values of ``runs`` (``(first value, count)``, ascending) into ``out``,
+        one after the other."""
+        pos = 0
+        for first, count in runs:
+            if count == 0:
+                continue
+            self._goto(first)
+            self._read(out[pos:pos + count])
+            self.pos = first + count
+            pos += count
+
+
+def _runs(shape: tuple[int, ...], split: int | None, lo: int, hi: int, per: int
+          ) -> list[tuple[int, int]]:
+    """The contiguous runs ``(first value, count)`` of the local part (``[lo, hi)`` along
+    ``split``) in the global C-order flattening, ``per`` stream values per element, ascending."""
+    size = int(np.prod(shape, dtype=np.int64))
     if split is None:
-        return np.arange(int(np.prod(shape, dtype=np.int64)), dtype=np.int64)
+        return [(0, size * per)]
     outer = int(np.prod(shape[:split], dtype=np.int64))
     inner = int(np.prod(shape[split + 1:], dtype=np.int64))
     n = shape[split]
-    idx = (np.arange(outer, dtype=np.int64)[:, None, None] * (n * inner)
-           + np.arange(lo, hi, dtype=np.int64)[None, :, None] * inner
-           + np.arange(inner, dtype=np.int64)[None, None, :])
-    return idx.reshape(-1)
+    if hi <= lo or inner == 0 or outer == 0:
+        return []
+    if lo == 0 and hi == n:
+        return [(0, size * per)]
+    length = (hi - lo) * inner * per
+    return [((o * n + lo) * inner * per, length) for o in range(outer)]
+
+
+_PARALLEL_MIN = 1 << 20  # values per thread below which one thread fills everything
+_pool: ThreadPoolExecutor | None = None
+
+
+def _split_runs(runs: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """``runs`` cut into ``parts`` groups of consecutive values of about equal size."""
+    total = sum(c for _, c in runs)
+    target = -(-total // parts)
+    groups: list[list[tuple[int, int]]] = [[]]
+    room = target
+    for first, count in runs:
+        while count:
+            take = min(count, room)
+            groups[-1].append((first, take))
+            first, count, room = first + take, count - take, room - take
+            if room == 0 and len(groups) < parts:
+                groups.append([])
+                room = target
+    return [g for g in groups if g]
+
+
+def _values(kind: str, shape: tuple[int, ...], split: int | None, lo: int, hi: int, per: int,
+            seed_value: int, call: int) -> torch.Tensor:
+    """The local part's stream values, ``(local numel, per)``: float64 / float32, or the raw
+    words as int64 bit patterns for ``"u64"``. Large parts are filled by as many threads as
+    torch may use on this rank (``torch.get_num_threads()``; numpy releases the GIL while it
+    fills), each reading its own slice of the stream: the values do not depend on the number
+    of threads."""
+    global _pool
+    runs = _runs(shape, split, lo, hi, per)
+    total = sum(c for _, c in runs)
+    out = np.empty(total, dtype=_Stream._DTYPE[kind])
+    threads = min(torch.get_num_threads(), max(1, total // _PARALLEL_MIN))
+    if threads <= 1:
+        _Stream(seed_value, call, kind).fill(out, runs)
+    else:
+        if _pool is None or _pool._max_workers < threads:  # type: ignore[attr-defined]
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="heatlike-rng")
+        jobs, pos = [], 0
+        for group in _split_runs(runs, threads):
+            n = sum(c for _, c in group)
+            jobs.append(_pool.submit(_Stream(seed_value, call, kind).fill, out[pos:pos + n],
+                                     group))
+            pos += n
+        for job in jobs:
+            job.result()
+    if kind == "u64":
+        out = out.view(np.int64)
+    return torch.from_numpy(out).reshape(-1, per)
 
 
 def _size(args: tuple) -> tuple[int, ...]:
@@ -147,42 +248,45 @@ def _size(args: tuple) -> tuple[int, ...]:
     return _shape(args)
 
 
-def _generate(shape: tuple[int, ...], split: int | None, per: int, device: object,
-              comm: MPICommunication | None) -> tuple[np.ndarray, tuple]:
-    """This rank's random words, ``(local numel, per)``, and ``(gshape, split, counts, comm,
-    local shape, torch device)``."""
+def _generate(shape: tuple[int, ...], split: int | None, per: int, kind: str, device: object,
+              comm: MPICommunication | None) -> tuple[torch.Tensor, tuple]:
+    """This rank's stream values, ``(local numel, per)`` (see :func:`_values`), and ``(gshape,
+    split, counts, comm, local shape, torch device)``."""
     comm = sanitize_comm(comm)
     s, counts, lshape = _layout(shape, split, comm)
     lo, hi = (0, 0) if s is None else distribution.ranges(counts)[comm.rank]
     dev = torch_device(sanitize_device(device))
     seed_value, call = _next_call(comm)
-    words = _words(_global_index(shape, s, lo, hi), per, seed_value, call)
-    return words, (shape, s, counts, comm, lshape, dev)
+    values = _values(kind, shape, s, lo, hi, per, seed_value, call)
+    return values, (shape, s, counts, comm, lshape, dev)
 
 
-def _wrap(values: np.ndarray, dtype: torch.dtype, meta: tuple) -> DNDarray:
+def _wrap(values: torch.Tensor, dtype: torch.dtype, meta: tuple) -> DNDarray:
     gshape, s, counts, comm, lshape, dev = meta
-    t = torch.from_numpy(np.ascontiguousarray(values).reshape(lshape))
+    t = values.reshape(lshape)
     return DNDarray._make(t.to(device=dev, dtype=dtype), gshape, s, counts, comm)
 
 
-_TWO_53 = 2.0 ** -53
+def _top(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """The top ``bits`` bits of the 64-bit words held as int64 (non-negative int64)."""
+    return (words >> (64 - bits)) & ((1 << bits) - 1)
 
 
-def _unit53(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """Uniform float64 in [0, 1) from 27 + 26 random bits."""
-    return ((hi >> 5).astype(np.float64) * 67108864.0 + (lo >> 6)) * _TWO_53
+_HALF_BITS = {torch.float16: 11, torch.bfloat16: 8}
 
 
-def _unit(words: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """Uniform values in [0, 1) with as many random bits as ``dtype``'s significand (float64:
-    two words per element, otherwise one)."""
-    if dtype is torch.float64:
-        return _unit53(words[:, 0], words[:, 1])
-    bits = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}[dtype]
-    values = (words[:, 0] >> (32 - bits)).astype(np.float32)
-    values *= np.float32(2.0 ** -bits)
-    return values
+def _uniform(shape: tuple[int, ...], split: int | None, dtype: torch.dtype, device: object,
+             comm: MPICommunication | None) -> DNDarray:
+    """Uniform [0, 1) values of ``dtype``: float64 from one stream word each (53 bits), the
+    other types from one 32-bit half-word each (24 bits; float16 / bfloat16 keep the top 11 / 8
+    of them, truncated so that no value rounds up to 1)."""
+    kind = "f64" if dtype is torch.float64 else "f32"
+    values, meta = _generate(shape, split, 1, kind, device, comm)
+    v = values[:, 0]
+    bits = _HALF_BITS.get(dtype)
+    if bits is not None:
+        v = v.mul(float(1 << bits)).floor_().mul_(2.0 ** -bits)
+    return _wrap(v, dtype, meta)
 
 
 def _float_dtype(dtype: object) -> torch.dtype:
@@ -195,9 +299,7 @@ def _float_dtype(dtype: object) -> torch.dtype:
 def rand(*shape: int, dtype: object = None, split: int | None = None, device: object = None,
          comm: MPICommunication | None = None) -> DNDarray:
     """Uniform samples from [0, 1) of the given shape (``rand(3, 4)`` or ``rand((3, 4))``)."""
-    dt = _float_dtype(dtype)
-    words, meta = _generate(_size(shape), split, 2 if dt is torch.float64 else 1, device, comm)
-    return _wrap(_unit(words, dt), dt, meta)
+    return _uniform(_size(shape), split, _float_dtype(dtype), device, comm)
 
 
 def random(size: int | Sequence[int] = (), dtype: object = None, split: int | None = None,
@@ -219,12 +321,14 @@ def uniform(low: float = 0.0, high: float = 1.0, size: int | Sequence[int] = (),
 
 def randn(*shape: int, dtype: object = None, split: int | None = None, device: object = None,
           comm: MPICommunication | None = None) -> DNDarray:
-    """Standard normal samples (Box-Muller on two 53-bit uniforms, in float64, then cast)."""
+    """Standard normal samples (Box-Muller on two 53-bit uniforms, stream values ``2i`` and
+    ``2i + 1`` of element ``i``, in float64, then cast)."""
     dt = _float_dtype(dtype)
-    words, meta = _generate(_size(shape), split, 4, device, comm)
-    u1 = 1.0 - _unit53(words[:, 0], words[:, 1])  # in (0, 1]: log(u1) is finite
-    u2 = _unit53(words[:, 2], words[:, 3])
-    return _wrap(np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2), dt, meta)
+    values, meta = _generate(_size(shape), split, 2, "f64", device, comm)
+    u1 = 1.0 - values[:, 0]  # in (0, 1]: log(u1) is finite
+    u2 = values[:, 1]
+    z = torch.sqrt(torch.log(u1).mul_(-2.0)).mul_(torch.cos(u2 * (2.0 * np.pi)))
+    return _wrap(z, dt, meta)
 
 
 def normal(mean: float = 0.0, std: float = 1.0, size: int | Sequence[int] = (),
@@ -248,15 +352,9 @@ def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),
     dt = torch.int64 if dtype is None else canonical_dtype(dtype)
     if dt.is_floating_point or dt.is_complex or dt is torch.bool:
         raise ValueError(f"dtype must be an integer type, got {dt}")
-    words, meta = _generate(_size((size,)), split, 2, device, comm)
-    values = _bits63(words) % np.uint64(high - low)
-    return _wrap(values.astype(np.int64) + low, dt, meta)
-
-
-def _bits63(words: np.ndarray) -> np.ndarray:
-    """63 random bits per element from its two words (uint64)."""
-    hi = (words[:, 0] & 0x7FFFFFFF).astype(np.uint64)
-    return (hi << np.uint64(32)) | words[:, 1].astype(np.uint64)
+    words, meta = _generate(_size((size,)), split, 1, "u64", device, comm)
+    values = _top(words[:, 0], 63).remainder_(high - low).add_(low)
+    return _wrap(values, dt, meta)
 
 
 def randperm(n: int, dtype: object = None, device: object = None,
@@ -266,8 +364,8 @@ def randperm(n: int, dtype: object = None, device: object = None,
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     n = int(n)
     comm = sanitize_comm(comm)
-    words, (_, _, counts, comm, _, dev) = _generate((n,), 0, 2, device, comm)
-    keys = torch.from_numpy(_bits63(words).astype(np.int64)).to(dev)
+    words, (_, _, counts, comm, _, dev) = _generate((n,), 0, 1, "u64", device, comm)
+    keys = _top(words[:, 0], 63).to(dev)
     lo = distribution.ranges(counts)[comm.rank][0]
     pairs = torch.stack([keys, torch.arange(lo, lo + keys.numel(), device=dev)], dim=1)
     size = comm.size

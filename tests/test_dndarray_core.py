@@ -210,7 +210,7 @@ def test_repr():
     for shape in ((3,), (2, 3), (20, 60), (0, 2)):
         g = global_array(2, shape)
         for what, x in layouts(g):
-            text = repr(x)
+            text = str(x)
             if COMM.rank == 0:
                 expect = np.array2string(g, separator=", ", prefix="DNDarray(")
                 assert text.startswith("DNDarray(" + expect), (what, text)
@@ -221,6 +221,22 @@ def test_repr():
     if COMM.rank == 0:
         assert "[   0,    1,    2, ..., 9997, 9998, 9999]" in text, text
     still_in_step()
+
+
+def test_repr_is_local():
+    """repr() communicates nothing, so one rank alone may take it (pytest's failure reports,
+    debuggers and loggers do); Heat's repr is local too. str() / print() gather."""
+    g = global_array(3, (7, 2))
+    x = hl.array(g, split=0)
+    if COMM.rank == 0:
+        text = repr(x)
+        assert "shape=(7, 2)" in text and "split=0" in text
+        lo, hi = x.displs[0], x.displs[0] + x.counts[0]
+        if COMM.size > 1:
+            assert f"rank 0 of {COMM.size} holds [{lo}:{hi}] of axis 0" in text
+    still_in_step()
+    r = repr(hl.array(g))
+    assert r.startswith("DNDarray(" + np.array2string(g, separator=", ", prefix="DNDarray("))
 
 
 def test_construction_errors():

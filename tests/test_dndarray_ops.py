@@ -70,7 +70,7 @@ def test_binary_functions():
             (hl.logical_and, a, b, np.logical_and(a_np, b_nz)),
             (hl.logical_or, a, b, np.logical_or(a_np, b_nz)),
             (hl.logical_xor, a, b, np.logical_xor(a_np, b_nz)),
-            (hl.equal, a, b, a_np == b_nz), (hl.not_equal, a, b, a_np != b_nz),
+            (hl.eq, a, b, a_np == b_nz), (hl.not_equal, a, b, a_np != b_nz),
             (hl.less, a, b, a_np < b_nz), (hl.less_equal, a, b, a_np <= b_nz),
             (hl.greater, a, b, a_np > b_nz), (hl.greater_equal, a, b, a_np >= b_nz),
         ]
@@ -172,7 +172,7 @@ def test_dtype_promotion_follows_torch():
     x = hl.arange(6, split=0)
     assert (x + 1).dtype is torch.int64
     assert (x + 1.5).dtype is torch.float32
-    assert (x / 2).dtype is torch.float32
+    assert (x / 2).dtype is torch.float64  # the dtype rule: int64 inputs, float64 result
     assert (x.astype(hl.float64) + 1).dtype is torch.float64
     assert (x.astype(hl.int32) + x.astype(hl.int8)).dtype is torch.int32
     assert (x > 2).dtype is torch.bool
@@ -237,7 +237,7 @@ def test_reduction_dtypes_and_values():
         assert_matches(x.min(axis=1), gi.min(axis=1), what)
         assert_matches(x.max(), gi.max(), what)
         assert_matches(x.mean(axis=0), gi.mean(axis=0), what)
-        assert x.mean().dtype is torch.float32
+        assert x.mean().dtype is torch.float64  # int32 mean: float64 (the dtype rule)
         assert_matches(x.sum(dtype=hl.float64), gi.sum(), what)
     for what, x in layouts(gb):
         assert_matches(x.all(axis=0), gb.all(axis=0), what)

@@ -1,4 +1,4 @@
-"""heatlike.random: Philox known answers, values independent of the number of ranks and of the
+"""heatlike.random: the stream's definition, values independent of the number of ranks and of the
 layout, distribution sanity, permutations."""
 
 import numpy as np
@@ -12,16 +12,29 @@ from heatlike import random as hr
 pytestmark = pytest.mark.mpi
 
 
-def test_philox_known_answers():
-    """Random123's known-answer vectors for Philox4x32-10."""
-    mask = 0xFFFFFFFF
-    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-             ((mask,) * 4, (mask, mask), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
-              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
-    for counter, key, expect in cases:
-        out = hr.philox([np.array([c], dtype=np.uint64) for c in counter], key)
-        assert [int(w[0]) for w in out] == list(expect)
+def test_stream_is_numpys_pcg64dxsm():
+    """The definition (heatlike.random docstring): call c after seed(s) reads numpy's PCG64DXSM
+    seeded with SeedSequence([s, c]); float64 element i is word i, float32 element i half-word i
+    (numpy's Generator.random conversions), integers the top 63 bits of word i."""
+    n = 37
+
+    def bits():
+        return np.random.PCG64DXSM(np.random.SeedSequence([99, 2]))
+
+    words = bits().random_raw(n)
+    np.testing.assert_array_equal(hr.stream(99, 2, 5, 9), words[5:14])
+    for expect, make in [
+            ((words >> np.uint64(11)) * 2.0 ** -53,
+             lambda: hr.rand(n, dtype=hl.float64, split=0)),
+            (np.random.Generator(bits()).random(n, dtype=np.float32),
+             lambda: hr.rand(n, split=0)),
+            (((words >> np.uint64(1)) % np.uint64(1000)).astype(np.int64),
+             lambda: hr.randint(0, 1000, size=n, split=0))]:
+        hr.seed(99)
+        hr.rand(1)  # calls 0 and 1 are used up
+        hr.rand(1)
+        np.testing.assert_array_equal(make().numpy(), expect)
+    assert hr.get_state() == ("PCG64DXSM", 99, 3)
 
 
 def _single_rank(fn, *args, **kwargs):
@@ -44,6 +57,14 @@ def test_values_do_not_depend_on_ranks_or_split(name):
     for split in (None, 0, 1):
         hr.seed(1234)
         assert_matches(hr.randint(-5, 17, size=(6, 4), split=split), ints, rtol=0, atol=0)
+    # every float type, bit for bit, on shapes whose runs start at odd stream positions
+    for dt in (hl.float32, hl.float16, hl.bfloat16, hl.float64):
+        for shape in ((37, 5), (3, 41), (5, 7, 3)):
+            reference = _single_rank(hr.rand, *shape, dtype=dt)
+            for split in [None, *range(len(shape))]:
+                hr.seed(1234)
+                x = hr.rand(*shape, dtype=dt, split=split)
+                assert_matches(x, reference, f"{dt} {shape} {split}", rtol=0, atol=0)
     perm = _single_rank(hr.permutation, 23)
     hr.seed(1234)
     assert_matches(hr.permutation(23), perm, rtol=0, atol=0)
@@ -72,7 +93,7 @@ def test_distributions():
     assert 0.0 <= u.min() and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.02
     for dt in (hl.float32, hl.float16, hl.bfloat16):
         v = hr.rand(1000, dtype=dt, split=0)
-        assert v.dtype is dt and float(v.max().item()) < 1.0 and float(v.min().item()) >= 0
+        assert v.dtype == dt and float(v.max().item()) < 1.0 and float(v.min().item()) >= 0
     z = hr.randn(n, split=0, dtype=hl.float64).numpy()
     assert abs(z.mean()) < 0.05 and abs(z.std() - 1.0) < 0.05
     k = hr.randint(3, 9, size=n, split=0).numpy()
@@ -104,3 +125,43 @@ def test_permutation():
     raises_everywhere(ValueError, lambda: hr.randint(5, 5), "high <= low")
     raises_everywhere(ValueError, lambda: hr.rand(3, dtype=hl.int32), "floating")
     raises_everywhere(ValueError, lambda: hr.seed(-1), "seed")
+
+
+def test_values_do_not_depend_on_threads():
+    """Large parts are filled by several threads, each from its own stream position."""
+    threads = torch.get_num_threads()
+    shape = (1024, 2100)  # above the per-thread minimum for 2 and 3 threads
+    try:
+        got = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            hr.seed(21)
+            got.append((hr.rand(*shape, split=1).numpy(), hr.randn(*shape, split=0).numpy(),
+                        hr.randint(0, 7, size=shape, split=0).numpy()))
+    finally:
+        torch.set_num_threads(threads)
+    for other in got[1:]:
+        for a, b in zip(got[0], other):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_set_state_leaves_torch_alone():
+    """seed() seeds torch's generator too (as Heat's does); set_state() of heatlike's own state
+    must not, or a checkpoint that restores torch's state first would have it overwritten."""
+    hr.seed(3)
+    a = torch.rand(3)
+    state = hr.get_state()
+    torch_state = torch.get_rng_state()
+    hr.set_state(("PCG64DXSM", 5, 2))
+    assert hr.get_state() == ("PCG64DXSM", 5, 2)
+    assert torch.equal(torch.get_rng_state(), torch_state)
+    hr.set_state(state)
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(3), a)
+    # a Heat state does what Heat's set_state does: torch's generator is seeded too
+    hr.set_state(("Threefry", 3, 0))
+    assert hr.get_state() == ("PCG64DXSM", 3, 0)
+    assert torch.equal(torch.rand(3), a)
+    raises_everywhere(ValueError, lambda: hr.set_state(("Mersenne", 1, 0)), "Mersenne")
+    raises_everywhere(ValueError, lambda: hr.set_state(("PCG64DXSM", 1, -1)), "counter")
+    raises_everywhere(TypeError, lambda: hr.set_state(5), "tuple")

@@ -33,7 +33,7 @@ from . import distribution
 from .arithmetics import _SCALARS, _common_comm, _replicate, _to_tensor
 from .dndarray import DNDarray
 
-__all__ = ["getitem", "setitem", "take"]
+__all__ = ["getitem", "setitem", "take", "nonzero"]
 
 _VALID = ("only integers, slices (`:`), ellipsis (`...`), numpy.newaxis (`None`) and integer "
           "or boolean arrays are valid indices")
@@ -236,6 +236,33 @@ def _index_tensor(idx: object, n: int, axis: int, y: DNDarray
     if bad:
         raise IndexError(f"an index is out of bounds for axis {axis} with size {n}")
     return torch.where(t < 0, t + n, t), dist
+
+
+def nonzero(x: DNDarray, as_tuple: bool = True) -> tuple[DNDarray, ...] | DNDarray:
+    """numpy's ``nonzero``: one 1-D int64 array per axis with the global indices of the
+    non-zero elements, in C order (``as_tuple=False``: one ``(n, ndim)`` array, as Heat offers).
+    Each rank finds its own (an array split along an axis other than 0 is resplit to 0 first,
+    one ``Alltoallv``); the results are split along 0 by where they were found (one
+    ``allgather`` of the counts), replicated for a replicated ``x``."""
+    if not as_tuple:
+        parts = nonzero(x)
+        return manipulations.stack(list(parts), axis=1)
+    if not isinstance(x, DNDarray):
+        raise TypeError(f"nonzero: expected a DNDarray, got {type(x).__name__}")
+    if x.ndim == 0:
+        raise ValueError("nonzero of a 0-d array; use atleast_1d or x.reshape(1)")
+    if x.split not in (None, 0):
+        x = manipulations.resplit(x, 0)
+    idx = torch.nonzero(x.larray)
+    comm = x.comm
+    if x.split is None:
+        return tuple(DNDarray._make(idx[:, d].contiguous(), (idx.shape[0],), None, None, comm)
+                     for d in range(x.ndim))
+    idx[:, 0] += x.displs[comm.rank]  # type: ignore[index]
+    counts = tuple(comm.allgather(int(idx.shape[0])))
+    n = sum(counts)
+    return tuple(DNDarray._make(idx[:, d].contiguous(), (n,), 0, counts, comm)
+                 for d in range(x.ndim))
 
 
 def take(x: DNDarray, indices: object, axis: int = 0) -> DNDarray:

@@ -56,10 +56,13 @@ def resplit(x: DNDarray, axis: int | None = None) -> DNDarray:
     return DNDarray._make(local, x.gshape, axis, counts, comm)
 
 
-def balance(x: DNDarray) -> DNDarray:
-    """A balanced copy of ``x`` (one ``Alltoallv`` unless already balanced)."""
+def balance(x: DNDarray, copy: bool = False) -> DNDarray:
+    """``x`` balanced (Heat's function): in place by default, a balanced copy with
+    ``copy=True`` (one ``Alltoallv`` unless already balanced)."""
     x = _check(x, "balance")
-    return x.copy().balance_()
+    if not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"copy must be a bool, got {type(copy).__name__}")
+    return x.copy().balance_() if copy else x.balance_()
 
 
 def _target_shape(shape: Sequence[int], size: int) -> tuple[int, ...]:
@@ -83,12 +86,19 @@ def _target_shape(shape: Sequence[int], size: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def reshape(x: DNDarray, shape: Sequence[int] | int, new_split: int | None = None) -> DNDarray:
+def reshape(x: DNDarray, shape: Sequence[int] | int, new_split: int | None = None,
+            dtype: object = None) -> DNDarray:
     """``x`` with global shape ``shape`` (C order, one entry may be -1), distributed along
     ``new_split`` (default, as in Heat: ``x``'s split axis, or the new last axis if the new shape
     has fewer; a replicated ``x`` stays replicated). Shares memory with ``x`` where no data
     moves, like numpy's views."""
     x = _check(x, "reshape")
+    if dtype is not None:
+        x = x.astype(dtype, copy=False)
+    if isinstance(shape, DNDarray):
+        shape = shape.tolist()
+    elif isinstance(shape, (np.ndarray, torch.Tensor)):
+        shape = shape.tolist()
     if isinstance(shape, (int, np.integer)):
         shape = (int(shape),)
     shape = _target_shape(shape, x.size)
@@ -277,8 +287,18 @@ def concatenate(arrays: Sequence[DNDarray], axis: int = 0) -> DNDarray:
     return DNDarray._make(local, shape, axis, counts, comm)
 
 
-def stack(arrays: Sequence[DNDarray], axis: int = 0) -> DNDarray:
-    """The arrays (all of one shape) joined along a new axis ``axis``."""
+def stack(arrays: Sequence[DNDarray], axis: int = 0, out: DNDarray | None = None) -> DNDarray:
+    """The arrays (all of one shape) joined along a new axis ``axis`` (written into ``out``
+    when given)."""
+    if out is not None:
+        from .arithmetics import _check_out, _store
+
+        _check_out(out)
+        res = stack(arrays, axis)
+        if tuple(out.shape) != tuple(res.shape):
+            raise ValueError(f"stack: out has shape {tuple(out.shape)}, the result "
+                             f"{tuple(res.shape)}")
+        return _store(res, out, True, "stack")
     ops = _operands(arrays, "stack")
     shapes = {a.gshape for a in ops}
     if len(shapes) != 1:

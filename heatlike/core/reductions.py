@@ -9,8 +9,11 @@ first, then the mean of squared deviations (two passes, numerically safe). ``arg
 over the split axis allgather every rank's local extremum and its global index and pick the first
 extremum (NaN counts as the extremum, as in numpy).
 
-Result dtypes follow torch: integer and bool sums/products are int64, ``mean``/``var``/``std`` of
-integers use the default float type, half-precision means accumulate in float32.
+Result dtypes: integer and bool sums/products are int64 (numpy's and torch's rule);
+``mean``/``var``/``std`` of integers and bools follow the dtype rule of
+:func:`heatlike.core.types.float_result_type` (float64 for int32/int64, float32 for smaller
+types); half-precision means accumulate in float32. Every reduction takes ``out=`` (a DNDarray of
+the result's shape: the result is brought to its layout and dtype).
 """
 
 from __future__ import annotations
@@ -24,18 +27,23 @@ from mpi4py import MPI
 
 from .communication import IN_PLACE
 from .dndarray import DNDarray
-from .types import canonical_dtype
+from .types import canonical_dtype, float_result_type
 
 __all__ = ["sum", "prod", "mean", "var", "std", "min", "max", "argmin", "argmax", "all", "any",
-           "normalize_axes"]
+           "normalize_axes", "AxisTypeError"]
 
 Axis = int | Sequence[int] | None
 
 
+class AxisTypeError(TypeError, ValueError):
+    """An axis that is not an integer: a ``TypeError`` (numpy's) that is also a ``ValueError``
+    (what Heat raises for some spellings), so either ``except`` clause catches it."""
+
+
 def _axis_index(a: object, ndim: int) -> int:
     if isinstance(a, bool) or not isinstance(a, (int, np.integer)):
-        raise TypeError(f"axis must be an integer or a tuple of integers, got "
-                        f"{type(a).__name__}")
+        raise AxisTypeError(f"axis must be an integer or a tuple of integers, got "
+                            f"{type(a).__name__}")
     a = int(a)
     if not -ndim <= a < ndim:
         raise np.exceptions.AxisError(a, ndim)
@@ -47,11 +55,27 @@ def normalize_axes(axis: Axis, ndim: int) -> tuple[int, ...]:
     range, ``ValueError`` for duplicates, ``TypeError`` for non-integers."""
     if axis is None:
         return tuple(range(ndim))
+    if isinstance(axis, (torch.Tensor, np.ndarray)):
+        raise AxisTypeError(f"axis must be an integer or a tuple of integers, got "
+                            f"{type(axis).__name__}")
     items = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     out = [_axis_index(a, ndim) for a in items]
     if len(set(out)) != len(out):
         raise ValueError("duplicate value in 'axis'")
     return tuple(sorted(out))
+
+
+def _out(res: DNDarray, out: DNDarray | None, name: str) -> DNDarray:
+    """``res`` written into ``out`` (its layout and dtype) when given."""
+    if out is None:
+        return res
+    from .arithmetics import _check_out, _store
+
+    _check_out(out)
+    if tuple(out.shape) != tuple(res.shape):
+        raise ValueError(f"{name}: out has shape {tuple(out.shape)}, the result "
+                         f"{tuple(res.shape)}")
+    return _store(res, out, True, name)
 
 
 def _check(x: object, name: str) -> DNDarray:
@@ -140,19 +164,20 @@ def _accumulating(x: DNDarray, dtype: object) -> DNDarray:
     return x
 
 
-def sum(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = None
-        ) -> DNDarray:
+def sum(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = None,
+        out: DNDarray | None = None) -> DNDarray:
     """Sum over ``axis`` (all by default); ``dtype`` converts the input first."""
     x = _accumulating(_check(x, "sum"), dtype)
-    return _reduce(x, axis, keepdims, lambda t, a: torch.sum(t, dim=a, keepdim=True),
-                   MPI.SUM, "add")
+    return _out(_reduce(x, axis, keepdims, lambda t, a: torch.sum(t, dim=a, keepdim=True),
+                        MPI.SUM, "add"), out, "sum")
 
 
-def prod(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = None
-         ) -> DNDarray:
+def prod(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = None,
+         out: DNDarray | None = None) -> DNDarray:
     """Product over ``axis`` (all by default)."""
     x = _accumulating(_check(x, "prod"), dtype)
-    return _reduce(x, axis, keepdims, _loop(torch.prod), MPI.PROD, "multiply")
+    return _out(_reduce(x, axis, keepdims, _loop(torch.prod), MPI.PROD, "multiply"), out,
+                "prod")
 
 
 def _count(x: DNDarray, axis: Axis) -> int:
@@ -161,10 +186,7 @@ def _count(x: DNDarray, axis: Axis) -> int:
 
 def _float_type(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     """(result dtype, accumulation dtype) of a mean of ``dtype``."""
-    if dtype.is_floating_point or dtype.is_complex:
-        out = dtype
-    else:
-        out = torch.get_default_dtype()
+    out = float_result_type(dtype)
     acc = torch.float32 if out in (torch.float16, torch.bfloat16) else out
     return out, acc
 
@@ -178,9 +200,24 @@ def mean(x: DNDarray, axis: Axis = None, keepdims: bool = False) -> DNDarray:
     return s._rewrap((s.larray / n).to(out))
 
 
-def var(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False) -> DNDarray:
-    """Variance ``sum(|x - mean|**2) / (N - ddof)`` over ``axis`` (two passes)."""
+def _ddof(ddof: object, bessel: object) -> int:
+    if bessel is not None:
+        if not isinstance(bessel, (bool, np.bool_)):
+            raise TypeError(f"bessel must be a bool, got {type(bessel).__name__}")
+        return 1 if bessel else 0
+    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)):
+        raise TypeError(f"ddof must be an integer, got {type(ddof).__name__}")
+    if ddof < 0:
+        raise ValueError(f"ddof must be non-negative, got {ddof}")
+    return int(ddof)
+
+
+def var(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False,
+        bessel: bool | None = None) -> DNDarray:
+    """Variance ``sum(|x - mean|**2) / (N - ddof)`` over ``axis`` (two passes). ``bessel``
+    (Heat's spelling): True is ``ddof=1``, False ``ddof=0``."""
     x = _check(x, "var")
+    ddof = _ddof(ddof, bessel)
     out, acc = _float_type(x.dtype)
     n = _count(x, axis)
     xa = x.astype(acc, copy=False)
@@ -191,9 +228,10 @@ def var(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False) -
     return s._rewrap((s.larray / (n - ddof)).to(out if not out.is_complex else s.dtype))
 
 
-def std(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False) -> DNDarray:
+def std(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False,
+        bessel: bool | None = None) -> DNDarray:
     """Standard deviation: the square root of :func:`var`."""
-    v = var(x, axis, ddof=ddof, keepdims=keepdims)
+    v = var(x, axis, ddof=ddof, keepdims=keepdims, bessel=bessel)
     return v._rewrap(torch.sqrt(v.larray))
 
 
@@ -211,28 +249,32 @@ def _minmax(x: DNDarray, axis: Axis, keepdims: bool, largest: bool) -> DNDarray:
                    empty_fill=_identity(x.dtype, not largest))
 
 
-def min(x: DNDarray, axis: Axis = None, keepdims: bool = False) -> DNDarray:
+def min(x: DNDarray, axis: Axis = None, keepdims: bool = False,
+        out: DNDarray | None = None) -> DNDarray:
     """Minimum over ``axis`` (NaN propagates). ``ValueError`` over an empty axis."""
-    return _minmax(x, axis, keepdims, largest=False)
+    return _out(_minmax(x, axis, keepdims, largest=False), out, "min")
 
 
-def max(x: DNDarray, axis: Axis = None, keepdims: bool = False) -> DNDarray:
+def max(x: DNDarray, axis: Axis = None, keepdims: bool = False,
+        out: DNDarray | None = None) -> DNDarray:
     """Maximum over ``axis`` (NaN propagates). ``ValueError`` over an empty axis."""
-    return _minmax(x, axis, keepdims, largest=True)
+    return _out(_minmax(x, axis, keepdims, largest=True), out, "max")
 
 
-def all(x: DNDarray, axis: Axis = None, keepdims: bool = False) -> DNDarray:
+def all(x: DNDarray, axis: Axis = None, keepdims: bool = False,
+        out: DNDarray | None = None) -> DNDarray:
     """Whether every element over ``axis`` is true (non-zero)."""
     x = _check(x, "all")
     xb = x if x.dtype is torch.bool else x._rewrap(x.larray != 0)
-    return _reduce(xb, axis, keepdims, _loop(torch.all), MPI.LAND, "all")
+    return _out(_reduce(xb, axis, keepdims, _loop(torch.all), MPI.LAND, "all"), out, "all")
 
 
-def any(x: DNDarray, axis: Axis = None, keepdims: bool = False) -> DNDarray:
+def any(x: DNDarray, axis: Axis = None, keepdims: bool = False,
+        out: DNDarray | None = None) -> DNDarray:
     """Whether some element over ``axis`` is true (non-zero)."""
     x = _check(x, "any")
     xb = x if x.dtype is torch.bool else x._rewrap(x.larray != 0)
-    return _reduce(xb, axis, keepdims, _loop(torch.any), MPI.LOR, "any")
+    return _out(_reduce(xb, axis, keepdims, _loop(torch.any), MPI.LOR, "any"), out, "any")
 
 
 def _pick(values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, largest: bool
@@ -316,11 +358,21 @@ def _arg(x: DNDarray, axis: int | None, keepdims: bool, largest: bool) -> DNDarr
     return DNDarray._make(local, shape, None, None, comm)
 
 
-def argmin(x: DNDarray, axis: int | None = None, keepdims: bool = False) -> DNDarray:
+def argmin(x: DNDarray, axis: int | None = None, keepdims: bool = False,
+           out: DNDarray | None = None) -> DNDarray:
     """Index of the first minimum along ``axis`` (None: into the flattened array)."""
-    return _arg(x, axis, keepdims, largest=False)
+    return _out(_arg(x, axis, keepdims, largest=False), _int_out(out, "argmin"), "argmin")
 
 
-def argmax(x: DNDarray, axis: int | None = None, keepdims: bool = False) -> DNDarray:
+def argmax(x: DNDarray, axis: int | None = None, keepdims: bool = False,
+           out: DNDarray | None = None) -> DNDarray:
     """Index of the first maximum along ``axis`` (None: into the flattened array)."""
-    return _arg(x, axis, keepdims, largest=True)
+    return _out(_arg(x, axis, keepdims, largest=True), _int_out(out, "argmax"), "argmax")
+
+
+def _int_out(out: object, name: str) -> object:
+    """``out`` of an index result must hold integers (numpy's safe rule for indices)."""
+    if isinstance(out, DNDarray) and (out.dtype.is_floating_point or out.dtype.is_complex
+                                      or out.dtype is torch.bool):
+        raise TypeError(f"{name}: out must have an integer dtype, got {out.dtype}")
+    return out

@@ -1,0 +1,119 @@
+"""numpy and torch calling heatlike: ``__array_ufunc__``, ``__array_function__`` and
+``__torch_function__`` of DNDarray.
+
+* ``np.add(x, 1)``, ``np.sin(x)``, ``ndarray + x`` with a DNDarray operand run heatlike's
+  function of the ufunc's name (:data:`UFUNCS`) and return a DNDarray. Only plain calls are
+  handled: ``np.add.reduce(x)``, ``np.add.at``, ufuncs heatlike lacks (``np.heaviside``) and
+  keyword arguments other than ``out`` (one DNDarray) and ``where`` make numpy raise
+  ``TypeError``.
+* ``np.concatenate([x, y])``, ``np.sum(x, axis=0)``, ... run the heatlike function of the same
+  name with the same arguments; a function heatlike lacks (``np.array_equiv``) is a
+  ``TypeError``.
+* ``torch.sum(x)``, ``torch.concatenate([x, y])`` (and tensor operators with a DNDarray operand)
+  likewise run heatlike's function of the same name; others are a ``TypeError``.
+
+These are the same collective operations as the heatlike functions: every rank calls them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["UFUNCS", "array_ufunc", "array_function", "torch_function"]
+
+#: numpy ufunc name -> heatlike function name (where they differ from the ufunc's)
+UFUNCS: dict[str, str] = {
+    "add": "add", "subtract": "subtract", "multiply": "multiply", "divide": "divide",
+    "true_divide": "divide", "floor_divide": "floor_divide", "remainder": "remainder",
+    "mod": "remainder", "fmod": "fmod", "power": "power", "maximum": "maximum",
+    "minimum": "minimum", "fmax": "fmax", "fmin": "fmin", "arctan2": "arctan2",
+    "hypot": "hypot", "copysign": "copysign", "gcd": "gcd", "lcm": "lcm",
+    "bitwise_and": "bitwise_and", "bitwise_or": "bitwise_or", "bitwise_xor": "bitwise_xor",
+    "left_shift": "left_shift", "right_shift": "right_shift", "logical_and": "logical_and",
+    "logical_or": "logical_or", "logical_xor": "logical_xor", "logical_not": "logical_not",
+    "equal": "eq", "not_equal": "not_equal", "less": "less", "less_equal": "less_equal",
+    "greater": "greater", "greater_equal": "greater_equal", "negative": "negative",
+    "positive": "positive", "absolute": "absolute", "fabs": "fabs", "sign": "sign",
+    "sqrt": "sqrt", "square": "square", "exp": "exp", "expm1": "expm1", "exp2": "exp2",
+    "log": "log", "log2": "log2", "log10": "log10", "log1p": "log1p", "sin": "sin",
+    "cos": "cos", "tan": "tan", "arcsin": "arcsin", "arccos": "arccos", "arctan": "arctan",
+    "sinh": "sinh", "cosh": "cosh", "tanh": "tanh", "arcsinh": "arcsinh",
+    "arccosh": "arccosh", "arctanh": "arctanh", "deg2rad": "deg2rad", "rad2deg": "rad2deg",
+    "radians": "deg2rad", "degrees": "rad2deg", "floor": "floor", "ceil": "ceil",
+    "trunc": "trunc", "rint": "round", "isnan": "isnan", "isinf": "isinf",
+    "isfinite": "isfinite", "signbit": "signbit", "invert": "invert", "divmod": "divmod",
+    "matmul": "matmul",
+}
+
+_BINARY_WHERE = {"add", "subtract", "multiply", "divide", "floor_divide", "remainder", "fmod",
+                 "power", "maximum", "minimum", "fmax", "fmin", "arctan2", "hypot", "copysign",
+                 "gcd", "lcm", "bitwise_and", "bitwise_or", "bitwise_xor", "left_shift",
+                 "right_shift", "logical_and", "logical_or", "logical_xor", "eq", "not_equal",
+                 "less", "less_equal", "greater", "greater_equal"}
+
+
+def _heatlike() -> object:
+    import heatlike
+
+    return heatlike
+
+
+def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> object:
+    """``DNDarray.__array_ufunc__`` (module docstring)."""
+    if method != "__call__":
+        return NotImplemented
+    name = UFUNCS.get(ufunc.__name__)
+    if name is None:
+        return NotImplemented
+    fn = getattr(_heatlike(), name)
+    kw = dict(kwargs)
+    out = kw.pop("out", None)
+    where = kw.pop("where", True)
+    if kw:
+        return NotImplemented
+    call: dict = {}
+    if out is not None:
+        if name == "divmod":
+            call["out"] = tuple(out)
+        else:
+            if len(out) != 1:
+                return NotImplemented
+            call["out"] = out[0]
+    if where is not True:
+        if name not in _BINARY_WHERE:
+            return NotImplemented
+        call["where"] = where
+    return fn(*inputs, **call)
+
+
+def array_function(func: object, types: tuple, args: tuple, kwargs: dict) -> object:
+    """``DNDarray.__array_function__`` (module docstring)."""
+    fn = getattr(_heatlike(), getattr(func, "__name__", ""), None)
+    if fn is None or not callable(fn) or isinstance(fn, type):
+        return NotImplemented
+    return fn(*args, **kwargs)
+
+
+_TORCH_NAMES = {"cat": "concatenate", "concat": "concatenate", "eq": "eq", "ne": "not_equal",
+                "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal",
+                "sub": "subtract", "mul": "multiply", "div": "divide", "neg": "negative",
+                "__add__": "add", "__radd__": "add", "__sub__": "subtract",
+                "__mul__": "multiply", "__rmul__": "multiply", "__truediv__": "divide",
+                "__and__": "bitwise_and", "__or__": "bitwise_or", "__xor__": "bitwise_xor",
+                "__eq__": "eq", "__ne__": "not_equal", "__lt__": "less", "__le__": "less_equal",
+                "__gt__": "greater", "__ge__": "greater_equal", "__matmul__": "matmul"}
+_REFLECTED = {"__rsub__": "subtract", "__rtruediv__": "divide", "__rpow__": "power",
+              "__rmatmul__": "matmul", "__rfloordiv__": "floor_divide", "__rmod__": "remainder"}
+
+
+def torch_function(func: object, types: tuple, args: tuple, kwargs: dict) -> object:
+    """``DNDarray.__torch_function__`` (module docstring)."""
+    name = getattr(func, "__name__", "")
+    if name in _REFLECTED and len(args) == 2:
+        fn = getattr(_heatlike(), _REFLECTED[name])
+        return fn(args[1], args[0], **kwargs)
+    name = _TORCH_NAMES.get(name, name)
+    fn = getattr(_heatlike(), name, None)
+    if fn is None or not callable(fn) or isinstance(fn, type) or name.startswith("_"):
+        return NotImplemented
+    return fn(*args, **kwargs)
