@@ -106,31 +106,31 @@ class bool_(datatype):
 
 
 class number(datatype):
-    pass
+    """Abstract: the numeric types (every type but bool), for ``issubdtype``."""
 
 
 class integer(number):
-    pass
+    """Abstract: the signed and unsigned integer types."""
 
 
 class signedinteger(integer):
-    pass
+    """Abstract: int8, int16, int32, int64."""
 
 
 class unsignedinteger(integer):
-    pass
+    """Abstract: uint8."""
 
 
 class floating(number):
-    pass
+    """Abstract: float16, bfloat16, float32, float64."""
 
 
 class complexfloating(number):
-    pass
+    """Abstract: complex64, complex128."""
 
 
 class flexible(datatype):
-    pass
+    """Abstract: Heat's placeholder for non-numeric types; no DNDarray has one."""
 
 
 class int8(signedinteger):
