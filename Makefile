@@ -2,8 +2,11 @@
 #
 #   make setup   create .venv and install heatlike editable with the extras a local run needs
 #   make demo    train the digits example with DataParallel under mpiexec on $(NP) ranks
-#   make test    lint, then the test suite under mpiexec at 1, 2, 3 and 4 ranks and on an
-#                emulated two-node topology (4 ranks, 2 per node)
+#   make test    lint, then the test suite under mpiexec at 1, 2 and 3 ranks and at 4 ranks on an
+#                emulated two-node topology (2 ranks per node): under 10 minutes on 2 cores
+#   make test-system   the system tests (marked `system`): tests that start their own MPI jobs,
+#                the examples, the documented programs, fault and resume jobs, the virtual
+#                cluster and the SLURM scripts (about 7 minutes on 2 cores; CI runs both)
 #   make bench   the quick benchmark suite on $(NP) ranks: bench-results/ (JSON, figures, trace)
 #   make docs    the documentation site (MkDocs, strict) into site/
 #
@@ -25,7 +28,7 @@ EXTRAS := test,examples,docs$(if $(filter wheel,$(MPI)),$(comma)mpich)
 # Resolved when a recipe runs, i.e. after setup: the wheel's mpiexec if installed, else PATH's.
 MPIEXEC = $(if $(wildcard $(VENV)/bin/mpiexec),$(VENV)/bin/mpiexec,mpiexec)
 
-.PHONY: setup demo test lint bench docs clean
+.PHONY: setup demo test test-system lint bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -44,7 +47,11 @@ lint: setup
 
 test: lint
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3 --nodes-size 4 \
-		--fake-nodes 2 --timeout 2400
+		--fake-nodes 2 --timeout 2400 -- -m "not system"
+
+test-system: setup
+	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1 --fake-nodes 0 \
+		--log-dir .test-logs/system --timeout 2400 -- -m system
 
 bench: setup
 	$(MPIEXEC) -n $(NP) $(PY) -m heatlike.bench all --quick --json bench-results/results.json \

@@ -18,9 +18,9 @@ from mpi4py import MPI
 from torch import nn
 
 import heatlike as hl
-from heatlike.bench.workloads import evaluate, load_digits_split, mlp
 from heatlike.nn import DataParallelMultiGPU
 from heatlike.optim import DASO
+from heatlike.recipes import evaluate, load_digits_split, mlp
 from heatlike.utils import configure_threads
 from heatlike.utils.data import DataLoader, Dataset
 

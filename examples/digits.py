@@ -22,9 +22,9 @@ from mpi4py import MPI
 from torch import nn
 
 import heatlike as hl
-from heatlike.bench.workloads import ALGORITHMS, evaluate, load_digits_split, mlp, train_digits
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
+from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, mlp, train_digits
 from heatlike.utils import configure_threads
 from heatlike.utils.data import DataLoader, Dataset
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--progress", action="store_true", help="tqdm bar per epoch on rank 0")
     p.add_argument("--algorithm", choices=sorted(ALGORITHMS), metavar="NAME",
-                   help="train with this algorithm of heatlike.bench.workloads instead (see "
+                   help="train with this algorithm of heatlike.recipes instead (see "
                         "below), e.g. powersgd-2, topk-1%%, decentralized")
     return p.parse_args(argv)
 

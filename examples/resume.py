@@ -8,7 +8,7 @@ Run it, stop it (``--stop-after N`` stops after step N as a preempted job would,
 run the same command again: it prints where it resumed and ends with the same parameters
 (``final parameters sha256``) as a run that was never interrupted. Under SLURM this is the
 payload of ``scripts/slurm/requeue.sbatch``: the job requeues itself before its time limit and
-the next run resumes. ``--algorithm`` takes every algorithm of ``heatlike.bench.workloads``
+the next run resumes. ``--algorithm`` takes every algorithm of ``heatlike.recipes``
 (DataParallel, DASO, the mlbench and SINGA optimizers; listed below).
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import heatlike as hl
-from heatlike.bench.workloads import ALGORITHMS, evaluate, load_digits_split, make_runner, mlp
+from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, make_runner, mlp
 from heatlike.utils import checkpoint
 from heatlike.utils.data import DataLoader, Dataset
 

@@ -12,7 +12,8 @@ from torch import nn
 from heatlike.bench import costmodel as cm
 from heatlike.bench._common import FIELDS, Record, Results, topology_label
 from heatlike.bench.tta import TimeToAccuracy, measure, time_to_accuracy
-from heatlike.bench.workloads import (
+from heatlike.core.topology import Topology
+from heatlike.recipes import (
     ALGORITHMS,
     EpochPoint,
     Task,
@@ -20,7 +21,6 @@ from heatlike.bench.workloads import (
     make_runner,
     mlp,
 )
-from heatlike.core.topology import Topology
 from heatlike.utils import Tracker
 
 # -- the cost model against the formulas, by hand ---------------------------------------------

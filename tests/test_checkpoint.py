@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import heatlike as hl
-from heatlike.bench.workloads import load_digits_split, make_runner, mlp
+from heatlike.recipes import load_digits_split, make_runner, mlp
 from heatlike.utils import checkpoint
 from heatlike.utils.checkpoint import CheckpointError
 from heatlike.utils.data import DataLoader, Dataset

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_launch import mpiexec
 
 from heatlike.testing.matrix import _clean_env
+
+pytestmark = pytest.mark.system  # runs the example under mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 

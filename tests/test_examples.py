@@ -82,3 +82,26 @@ def test_bench_progress_bars_only_on_a_terminal(monkeypatch, capsys):
     assert bench.main(["comm", "--progress"]) == 0
     out, err = capsys.readouterr()
     assert out.count("| a table row |") == 3 and "fake suite" in err, (out, err)
+
+
+def _imported_names(path: Path) -> list[str]:
+    """Every ``module`` and ``module.name`` an example imports."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_examples_use_only_the_public_api():
+    """An example is a user's code: it imports heatlike's public modules and names only (no
+    benchmark internals, testing aids or underscore names)."""
+    for name in EXAMPLES:
+        for imported in _imported_names(ROOT / "examples" / name):
+            if imported.split(".")[0] != "heatlike":
+                continue
+            parts = imported.split(".")
+            assert not any(p.startswith("_") for p in parts), (name, imported)
+            assert parts[1:2] not in (["bench"], ["testing"]), (name, imported)

@@ -19,6 +19,8 @@ from test_launch import mpiexec
 from heatlike.core import checks
 from heatlike.testing.matrix import _clean_env
 
+pytestmark = pytest.mark.system  # every test starts an MPI job
+
 TRAIN = textwrap.dedent("""
     import os, signal, sys, time
     import torch

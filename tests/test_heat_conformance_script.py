@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "conformance" / "run_heat_tests.py"
 TARBALL = ROOT.parent / "shared" / "conformance" / "heat_tests-660efec.tar.xz"
 
+pytestmark = pytest.mark.system  # runs the runner script
+
 
 @pytest.mark.skipif(not TARBALL.exists(), reason="Heat's tests are not in ../shared/conformance")
 def test_runner_resolves_heat_to_heatlike(tmp_path: Path) -> None:

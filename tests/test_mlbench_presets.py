@@ -675,14 +675,14 @@ _DIGITS = {}
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.mpi_timeout(150)
-@pytest.mark.parametrize("name", sorted(__import__("heatlike.bench.workloads",
+@pytest.mark.parametrize("name", sorted(__import__("heatlike.recipes",
                                                    fromlist=["ALGORITHMS"]).ALGORITHMS))
 def test_every_algorithm_learns_digits(comm, name):
     """At 4 ranks on several nodes (the test matrix's multi-node run: DASO and the hierarchical
     presets use their node-local paths) every algorithm reaches >= 0.92 test accuracy on the
     digits in 5 epochs."""
-    from heatlike.bench.workloads import load_digits_split, train_digits
     from heatlike.core.topology import get_topology
+    from heatlike.recipes import load_digits_split, train_digits
 
     if comm.size != 4 or get_topology(comm).num_nodes < 2:
         pytest.skip("the accuracy check runs at 4 ranks on several nodes")

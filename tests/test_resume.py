@@ -18,6 +18,8 @@ from test_launch import mpiexec
 import heatlike as hl
 from heatlike.testing.matrix import _clean_env
 
+pytestmark = pytest.mark.system  # every test starts MPI jobs
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "resume.py"
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import heatlike as hl
-from heatlike.bench.workloads import make_runner
+from heatlike.recipes import make_runner
 from heatlike.utils import checkpoint
 
 CLASSES = 3

@@ -22,6 +22,8 @@ from test_launch import mpiexec
 
 from heatlike.testing.matrix import _clean_env
 
+pytestmark = pytest.mark.system  # runs the batch scripts
+
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "scripts" / "slurm"
 SCRIPTS = sorted([*SLURM.glob("*.sbatch"), *SLURM.glob("*.sh")])

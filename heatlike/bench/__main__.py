@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="no progress bars")
     train = p.add_argument_group("algorithms, tta, costmodel")
     train.add_argument("--algorithms", metavar="A,B,...",
-                       help="comma-separated algorithms of heatlike.bench.workloads.ALGORITHMS, "
+                       help="comma-separated algorithms of heatlike.recipes.ALGORITHMS, "
                             "or 'all' (default: all; with --quick one per pattern)")
     train.add_argument("--target", type=float, default=0.95, metavar="ACC",
                        help="tta: target test accuracy on digits (default 0.95)")

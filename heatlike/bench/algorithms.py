@@ -1,6 +1,6 @@
 """``python -m heatlike.bench algorithms``: every distributed algorithm, side by side.
 
-For each algorithm of :data:`heatlike.bench.workloads.ALGORITHMS` (with ``--quick``: one per
+For each algorithm of :data:`heatlike.recipes.ALGORITHMS` (with ``--quick``: one per
 communication pattern, :data:`QUICK`; ``--algorithms a,b`` chooses):
 
 * on the digits MLP (64-128-64-10, 17K parameters): the test accuracy and the training wall time
@@ -27,9 +27,9 @@ from mpi4py import MPI
 
 from ..core.communication import MPI_WORLD
 from ..engine.exchange import CODEC_CLOCK
+from ..recipes import ALGORITHMS, digits_task, load_digits_split, make_runner, mlp, train_task
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment, progress, say
-from .workloads import ALGORITHMS, digits_task, load_digits_split, make_runner, mlp, train_task
 
 LARGE = [784, 1024, 1024, 10]
 LARGE_BATCH = 32

@@ -297,7 +297,7 @@ def _blocks(s: Shapes) -> int:
     return sum(min(1024, m) for m in s.numels)
 
 
-#: algorithm (a key of heatlike.bench.workloads.ALGORITHMS) -> (pattern, model); a model maps
+#: algorithm (a key of heatlike.recipes.ALGORITHMS) -> (pattern, model); a model maps
 #: (shapes, layout, links) to (seconds of communication per step, payload bytes per rank)
 MODELS: dict[str, tuple[str, Model]] = {
     "allreduce": ("ring all-reduce 4m", _ring(4)),
@@ -361,7 +361,7 @@ def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
     import torch
     from mpi4py import MPI
 
-    from .workloads import mlp
+    from ..recipes import mlp
 
     net = mlp(list(widths), seed=0)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -420,10 +420,10 @@ def run(results, quick: bool = False, algorithms: str | None = None, links: str 
 
     from ..core.communication import MPI_WORLD
     from ..core.topology import Topology
+    from ..recipes import mlp
     from ..utils.launch import configure_threads
     from ._common import describe_environment, oversubscription_note, say
     from .algorithms import LARGE, LARGE_BATCH, choose_algorithms, large_step_stats
-    from .workloads import mlp
 
     comm = MPI.COMM_WORLD
     configure_threads(comm)
@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", default="784,1024,1024,10", help="MLP layer widths")
     p.add_argument("--algorithms", default=None, help="comma-separated (default: all)")
     args = p.parse_args(argv)
-    from .workloads import mlp
+    from ..recipes import mlp
 
     widths = [int(w) for w in args.widths.split(",")]
     names = [n.strip() for n in args.algorithms.split(",")] if args.algorithms else list(MODELS)

@@ -1,6 +1,6 @@
 """``python -m heatlike.bench daso``: DASO against blocking DataParallel on emulated nodes.
 
-Trains the digits MLP (heatlike.bench.workloads), widened to two hidden layers of 512 (about 300K
+Trains the digits MLP (heatlike.recipes), widened to two hidden layers of 512 (about 300K
 parameters, so that bandwidth matters), with DASO (warmup 1, cooldown 1) and with blocking
 DataParallel, same data order and initial weights, and prints per epoch the bytes each rank sent
 over cross-node links (mean over ranks) and the wall time, then the final test accuracies.
@@ -29,10 +29,10 @@ from ..core.env import env_str
 from ..engine.links import SimulatedLink, SlowLinkAllReduce
 from ..nn import DataParallel, DataParallelMultiGPU
 from ..optim import DASO, DataParallelOptimizer
+from ..recipes import evaluate, load_digits_split, mlp
 from ..utils.data import DataLoader, Dataset
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment, say
-from .workloads import evaluate, load_digits_split, mlp
 
 
 def parse_link(spec: str | None) -> SimulatedLink | None:

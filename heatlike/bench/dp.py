@@ -23,9 +23,9 @@ from torch import nn
 from ..core.communication import MPI_WORLD
 from ..nn import DataParallel
 from ..optim import DataParallelOptimizer
+from ..recipes import mlp
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment
-from .workloads import mlp
 
 MODELS = {"mlp-5M": [1024, 2048, 1024, 512, 10], "mlp-100K": [256, 256, 128, 10]}
 BATCH = 32

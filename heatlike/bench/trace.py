@@ -3,7 +3,7 @@ https://ui.perfetto.dev).
 
 Trains the larger synthetic MLP of the algorithms suite (784-1024-1024-10, batch 32 per rank,
 about 7.5 MB of float32 gradients in two buckets) with one algorithm of
-:data:`heatlike.bench.workloads.ALGORITHMS` (``--trace-algorithm``, default ``allreduce``:
+:data:`heatlike.recipes.ALGORITHMS` (``--trace-algorithm``, default ``allreduce``:
 DataParallel with blocking updates) for a few warm-up steps and then ``steps`` steps reported to a
 :class:`heatlike.utils.Tracker`: per rank the step, its phases (init = zero_grad, fwd_pass,
 comp_loss, backprop, and agg / opt_step), every wait for a gradient bucket's exchange ("comm
@@ -18,10 +18,10 @@ import torch
 from mpi4py import MPI
 
 from ..core.communication import MPI_WORLD
+from ..recipes import make_runner, mlp
 from ..utils.tracker import Tracker
 from ._common import Results, say
 from .algorithms import LARGE, LARGE_BATCH
-from .workloads import make_runner, mlp
 
 __all__ = ["run_trace"]
 

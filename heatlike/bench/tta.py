@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from mpi4py import MPI
 
 from ..core.communication import MPI_WORLD, MPICommunication
+from ..recipes import EpochPoint, Task, digits_task, synthetic_task, train_task
 from ..utils.launch import configure_threads
 from ._common import Results, describe_environment, progress, say
 from .algorithms import choose_algorithms, record_curve
-from .workloads import EpochPoint, Task, digits_task, synthetic_task, train_task
 
 __all__ = ["TimeToAccuracy", "time_to_accuracy", "measure", "run"]
 

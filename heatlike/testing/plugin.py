@@ -80,6 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "mpi_timeout(seconds): per-test watchdog timeout")
     config.addinivalue_line("markers", "slow: a long test; its watchdog timeout is "
                             "--mpi-slow-factor times --mpi-timeout")
+    config.addinivalue_line("markers", "system: starts its own MPI jobs, programs, virtual "
+                            "cluster or SLURM (selected with -m system, e.g. make test-system)")
     _state["timeout"] = config.getoption("--mpi-timeout")
     _state["slow_factor"] = config.getoption("--mpi-slow-factor")
     if _state["comm"] is None:

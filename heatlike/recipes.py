@@ -1,4 +1,5 @@
-"""Training workloads shared by the benchmarks, the examples and the accuracy tests.
+"""Recipes: every distributed algorithm of heatlike by name, and the training workloads the
+examples, the benchmarks and the accuracy tests share.
 
 * :func:`load_digits_split`, :func:`mlp`, :func:`evaluate`: scikit-learn's bundled digits data
   (standardized, stratified 80/20 split), an MLP, sharded test accuracy.
@@ -21,8 +22,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..core.communication import IN_PLACE, MPICommunication
-from ..engine import Cast, Hierarchical, RandomK, ScaledSign, TopK
+from .core.communication import IN_PLACE, MPICommunication
+from .engine import Cast, Hierarchical, RandomK, ScaledSign, TopK
 
 __all__ = ["load_digits_split", "load_synthetic_split", "mlp", "evaluate", "Runner", "ALGORITHMS",
            "make_runner", "Task", "digits_task", "synthetic_task", "EpochPoint", "TrainResult",
@@ -200,8 +201,8 @@ def _plain(opt, model, sync, **kw) -> Runner:
 
 def _data_parallel(blocking: bool):
     def make(net, comm, lr):
-        from ..nn import DataParallel
-        from ..optim import DataParallelOptimizer
+        from .nn import DataParallel
+        from .optim import DataParallelOptimizer
 
         opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9),
                                     blocking=blocking)
@@ -217,7 +218,7 @@ def _data_parallel(blocking: bool):
 
 def _centralized(momentum: float = 0.9, lr_scale: float = 1.0, **engine):
     def make(net, comm, lr):
-        from ..optim import CentralizedSGD
+        from .optim import CentralizedSGD
 
         opt = CentralizedSGD(model=net, lr=lr * lr_scale, momentum=momentum, comm=comm, **engine)
         return _plain(opt, net, opt.sync)
@@ -225,14 +226,14 @@ def _centralized(momentum: float = 0.9, lr_scale: float = 1.0, **engine):
 
 
 def _adam(net, comm, lr):
-    from ..optim import CentralizedAdam
+    from .optim import CentralizedAdam
 
     opt = CentralizedAdam(model=net, lr=lr / 25, comm=comm)
     return _plain(opt, net, opt.sync)
 
 
 def _custom(net, comm, lr):
-    from ..optim import CustomCentralizedOptimizer
+    from .optim import CustomCentralizedOptimizer
 
     opt = CustomCentralizedOptimizer(net, None, torch.optim.SGD(net.parameters(), lr=lr,
                                                                 momentum=0.9),
@@ -241,48 +242,48 @@ def _custom(net, comm, lr):
 
 
 def _hierarchical(net, comm, lr):
-    from ..core.topology import get_topology
+    from .core.topology import get_topology
 
     return _centralized(reducer=Hierarchical(comm, topology=get_topology(comm)))(net, comm, lr)
 
 
 def _powersgd(net, comm, lr):
-    from ..optim import PowerSGD
+    from .optim import PowerSGD
 
     opt = PowerSGD(model=net, lr=lr, momentum=0.9, rank=2, reuse_query=True, comm=comm)
     return _plain(opt, net, opt.sync)
 
 
 def _sparsified(net, comm, lr):
-    from ..optim import CentralizedSparsifiedSGD
+    from .optim import CentralizedSparsifiedSGD
 
     opt = CentralizedSparsifiedSGD(net.parameters(), lr=6 * lr, sparse_grad_size=1024, comm=comm)
     return _plain(opt, net, opt.sync)
 
 
 def _sparsified_local(net, comm, lr):
-    from ..optim import SparsifiedSGD
+    from .optim import SparsifiedSGD
 
     opt = SparsifiedSGD(net.parameters(), lr=6 * lr, sparse_grad_size=1024, comm=comm)
     return _plain(opt, net, opt.sync)
 
 
 def _sign(net, comm, lr):
-    from ..optim import SignSGD
+    from .optim import SignSGD
 
     opt = SignSGD(net.parameters(), lr=lr / 50, momentum=0.9, comm=comm)
     return _plain(opt, net, opt.sync)
 
 
 def _decentralized(net, comm, lr):
-    from ..optim import DecentralizedSGD
+    from .optim import DecentralizedSGD
 
     opt = DecentralizedSGD(model=net, lr=lr, momentum=0.9, comm=comm)
     return _plain(opt, net, opt.sync, eval_model=_averaged(net, comm))
 
 
 def _fp16(net, comm, lr):
-    from ..optim import FP16Optimizer
+    from .optim import FP16Optimizer
 
     model = net.half()
     opt = FP16Optimizer(model, average_world=True, comm=comm)
@@ -303,7 +304,7 @@ def _fp16(net, comm, lr):
 
 def _distopt(mode: str, **options):
     def make(net, comm, lr):
-        from ..optim import DistOpt
+        from .optim import DistOpt
 
         dist = DistOpt(torch.optim.SGD(net.parameters(), lr=lr * options.pop("lr_scale", 1.0),
                                        momentum=0.9), comm)
@@ -324,8 +325,8 @@ def _distopt(mode: str, **options):
 
 
 def _daso(net, comm, lr, epochs: int = 10):
-    from ..nn import DataParallelMultiGPU
-    from ..optim import DASO
+    from .nn import DataParallelMultiGPU
+    from .optim import DASO
 
     warmup = min(1, epochs - 1)  # DASO needs total_epochs > warmup + cooldown
     daso = DASO(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9), total_epochs=epochs,
@@ -510,7 +511,7 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
     accuracy, every step's time on this rank and the mean bytes per step."""
     from mpi4py import MPI as _MPI
 
-    from ..utils.data import DataLoader, Dataset
+    from .utils.data import DataLoader, Dataset
 
     x_train, y_train, x_test, y_test = task.data
     net = mlp(task.widths, seed)
