@@ -2,8 +2,9 @@
 #
 #   make setup   create .venv and install heatlike editable with the extras a local run needs
 #   make demo    train the digits example with DataParallel under mpiexec on $(NP) ranks
-#   make test    lint, then the test suite under mpiexec at 1, 2 and 3 ranks and at 4 ranks on an
-#                emulated two-node topology (2 ranks per node): under 10 minutes on 2 cores
+#   make test    lint, then the test suite under mpiexec at 1, 2 and 3 ranks and at 4 ranks on two
+#                nodes of a virtual cluster (docs/multinode.md; where it cannot start, e.g. without
+#                root, on two emulated nodes): under 10 minutes on 2 cores
 #   make test-system   the system tests (marked `system`): tests that start their own MPI jobs,
 #                the examples, the documented programs, fault and resume jobs, the virtual
 #                cluster and the SLURM scripts (about 7 minutes on 2 cores; CI runs both)
@@ -47,7 +48,7 @@ lint: setup
 
 test: lint
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3 --nodes-size 4 \
-		--fake-nodes 2 --timeout 2400 -- -m "not system"
+		--real-nodes 2 --fake-nodes 2 --timeout 2400 -- -m "not system"
 
 test-system: setup
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1 --fake-nodes 0 \

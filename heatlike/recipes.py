@@ -458,13 +458,19 @@ def make_runner(name: str, net: nn.Module, comm: MPICommunication, lr: float = 0
 @dataclass
 class Task:
     """A training workload: data ``(x_train, y_train, x_test, y_test)``, MLP widths, per-rank
-    batch size and learning rate (each algorithm scales it as :data:`ALGORITHMS` says)."""
+    batch size and learning rate (each algorithm scales it as :data:`ALGORITHMS` says);
+    ``model(seed)``, when given, builds the model instead of the MLP."""
 
     name: str
     data: tuple
     widths: list[int]
     batch_size: int = 16
     lr: float = 0.05
+    model: Callable[[int], nn.Module] | None = None
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The task's model with the initial weights of ``seed``."""
+        return self.model(seed) if self.model is not None else mlp(self.widths, seed)
 
 
 def digits_task(seed: int = 0, data=None, hidden: tuple[int, ...] = (128, 64)) -> Task:
@@ -504,7 +510,7 @@ class TrainResult:
 
 def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, seed: int = 0,
                curve: bool = True, target: float | None = None) -> TrainResult:
-    """Train ``task``'s MLP with algorithm ``name`` for ``epochs`` epochs, or until the test
+    """Train ``task``'s model with algorithm ``name`` for ``epochs`` epochs, or until the test
     accuracy reaches ``target`` (checked after every epoch). With ``curve``, every epoch ends with
     a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
     epoch times are measured between a barrier and the slowest rank's end). Returns the final
@@ -514,7 +520,7 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
     from .utils.data import DataLoader, Dataset
 
     x_train, y_train, x_test, y_test = task.data
-    net = mlp(task.widths, seed)
+    net = task.build(seed)
     runner = make_runner(name, net, comm, task.lr, epochs)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed)
     times: list[float] = []

@@ -229,6 +229,7 @@ def test_no_cluster_up_is_said(capsys):
 # ------------------------------------------------------------------ on a cluster
 
 
+@pytest.mark.system
 def test_mpi_sees_the_nodes(cluster, tmp_path):
     """3 ranks on nodes of 2 and 1: Split_type gives one communicator per node, the hostnames
     differ between nodes, the all-reduce across them is right."""
@@ -243,6 +244,7 @@ def test_mpi_sees_the_nodes(cluster, tmp_path):
     assert all(row["sum"] == 6.0 for row in rows)
 
 
+@pytest.mark.system
 def test_traffic_crosses_the_links(cluster, tmp_path):
     """A 4 MB all-reduce across the nodes puts megabytes on both links; the same on one node
     puts only the launcher's few KB on node1's link and nothing on node2's."""
@@ -266,6 +268,7 @@ def test_traffic_crosses_the_links(cluster, tmp_path):
     assert [row["host"] for row in json.loads(out.read_text())] == ["node1", "node1"]
 
 
+@pytest.mark.system
 def test_no_traffic_is_reported(cluster, tmp_path, capsys):
     """A job on two nodes whose ranks do not talk over the network is reported, and fails with
     --require-traffic: a program that never communicates, and the shared-memory bypass of
@@ -288,6 +291,7 @@ def test_no_traffic_is_reported(cluster, tmp_path, capsys):
     assert bypass.between_nodes < 4096, bypass.report()
 
 
+@pytest.mark.system
 def test_cli(cluster, tmp_path, capfd):
     """status, traffic, rate and link on the command line; run with --json and
     --require-traffic (exit status 3 when nothing crossed)."""
@@ -322,6 +326,7 @@ def test_cli(cluster, tmp_path, capfd):
     assert data["ranks_per_node"] == [2, 1] and data["crossed"] is False
 
 
+@pytest.mark.system
 def test_up_down_idempotent_and_leave_nothing():
     """up twice gives one cluster (same subnet, same namespaces), up with other sizes
     recreates it, down twice is fine, and down also finds a cluster whose state file is
@@ -347,6 +352,7 @@ def test_up_down_idempotent_and_leave_nothing():
     _assert_gone(c)
 
 
+@pytest.mark.system
 def test_orphaned_temporary_cluster_is_removed():
     """A temporary cluster (the context manager's, the matrix's) whose process died without
     down() is removed by the next up() of any cluster; one created on the command line (no
@@ -373,6 +379,7 @@ def test_orphaned_temporary_cluster_is_removed():
         _assert_gone(c)
 
 
+@pytest.mark.system
 def test_timeout_and_killed_rank_end_the_job_everywhere(cluster, tmp_path):
     """A job past its timeout is ended on every node, helpers in sessions of their own
     included; a rank killed on node2 ends the job on every node with a non-zero status, the
@@ -425,6 +432,7 @@ while True:
 """
 
 
+@pytest.mark.system
 @pytest.mark.slow  # three ranks importing heatlike
 def test_link_down_mid_run_is_a_timeout_naming_the_rank(cluster, tmp_path):
     """node2's link goes down while the ranks all-reduce in a loop: within
@@ -469,6 +477,7 @@ def test_link_down_mid_run_is_a_timeout_naming_the_rank(cluster, tmp_path):
     assert _in_nodes(cluster) == [] and _tagged_anywhere(cluster.name) == []
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_stopped_runner_leaves_nothing(cluster, tmp_path, signum):
     """SIGTERM to `run` on the command line ends the job's processes on every node (status
@@ -522,6 +531,7 @@ def test_on_the_nodes():
 """
 
 
+@pytest.mark.system
 @pytest.mark.slow  # a matrix runner and two launches
 def test_matrix_runs_on_real_nodes(tmp_path):
     """--real-nodes 2 runs the multi-rank tests on two nodes of a virtual cluster (one rank

@@ -36,6 +36,7 @@ def _missing() -> list[str]:
     return missing
 
 
+@pytest.mark.system
 @pytest.mark.skipif(bool(_missing()), reason="the docs extra is not installed (missing: "
                     f"{', '.join(_missing())}); pip install -c constraints.txt -e '.[docs]'")
 def test_docs_build_strict(tmp_path: Path) -> None:
@@ -71,6 +72,7 @@ def _code_blocks(page: Path, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", page.read_text(), re.S | re.M)
 
 
+@pytest.mark.system
 @pytest.mark.slow  # a process each, importing torch (and scikit-learn)
 @pytest.mark.parametrize("page,index", [("README.md", 0), ("docs/index.md", 0),
                                         ("docs/data_parallel.md", 0)])

@@ -207,19 +207,73 @@ def test_error_feedback_tracks_the_true_sum(comm, make):
 
 
 def test_hierarchical_equals_flat(comm, monkeypatch):
+    """Equal nodes (node-aware: reduce-scatter, concurrent cross all-reduces, all-gather; shards
+    of every size, empty ones included) and unequal nodes (through the node leaders)."""
     for per_node in (1, 2, 3):
         monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
         topo = Topology(comm)
         try:
-            xs = [_x(r, 33) for r in range(comm.size)]
-            for op in ("avg", "max"):
-                red = Hierarchical(comm, op=op, topology=topo)
-                got = _run(Identity(), xs[comm.rank].clone(), comm, red)
-                stacked = torch.stack(xs)
-                expected = stacked.mean(0) if op == "avg" else stacked.amax(0)
-                assert torch.allclose(got, expected, atol=1e-5), (per_node, op)
+            for n in (1, 33):
+                xs = [_x(r, n) for r in range(comm.size)]
+                for op in ("avg", "max"):
+                    red = Hierarchical(comm, op=op, topology=topo)
+                    channel = red.open_channel()
+                    try:
+                        for ch in (None, channel):
+                            got = xs[comm.rank].clone()
+                            Request(exchange(got, Identity(), red, Context(
+                                key=0, shapes=[(n,)], size=comm.size, rank=comm.rank, step=0,
+                                state={}), channel=ch)).Wait()
+                            stacked = torch.stack(xs)
+                            expected = stacked.mean(0) if op == "avg" else stacked.amax(0)
+                            assert torch.allclose(got, expected, atol=1e-5), (per_node, n, op)
+                    finally:
+                        for c in channel.values():
+                            c.Free()
         finally:
             topo.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_sums_on_equal_nodes_are_node_aware(comm, monkeypatch, dtype):
+    """A half-precision Sum on a private channel over several equal nodes takes the node-aware
+    route (what crosses the links is half of float32's), and equals the float32 sum of the
+    half inputs within two roundings to the half type; on one node, or unequal nodes, MPI's
+    route."""
+    import heatlike.engine.reducers as reducers
+
+    calls = []
+    original = reducers.node_aware_sum
+
+    def spy(*args):
+        calls.append(args[0].numel())
+        return (yield from original(*args))
+
+    monkeypatch.setattr(reducers, "node_aware_sum", spy)
+    n = 40_003  # above the half route's threshold, shards of unequal sizes
+    for per_node in (1, 2, comm.size):
+        monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
+        c = comm.Dup()
+        try:
+            red = AllReduce(c, op="avg")
+            channel = red.open_channel()
+            xs = [_x(r, n).to(dtype) for r in range(comm.size)]
+            got = xs[comm.rank].clone()
+            calls.clear()
+            Request(exchange(got, Cast(dtype), red, Context(
+                key=0, shapes=[(n,)], size=comm.size, rank=comm.rank, step=0, state={}),
+                channel=channel)).Wait()
+            expected = torch.stack([x.float() for x in xs]).mean(0)
+            ulp = 2.0 ** -7 if dtype is torch.bfloat16 else 2.0 ** -10
+            bound = 2 * ulp * torch.stack([x.float().abs() for x in xs]).sum(0) / comm.size
+            assert (got.float() - expected).abs().le(bound + 1e-6).all(), per_node
+            equal = comm.size % per_node == 0 and 1 < per_node < comm.size
+            assert calls == ([n] if equal else []), (per_node, calls)
+            for ch in (channel.values() if isinstance(channel, dict) else [channel]):
+                ch.Free()
+        finally:
+            c.Free()
 
 
 @pytest.mark.parametrize("kind", ["ring", "torus", "exponential", "complete"])

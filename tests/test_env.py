@@ -165,6 +165,7 @@ def _probe(ranks: int, **variables: str) -> subprocess.CompletedProcess:
                                "HEATLIKE_LOG_LEVEL": "", **variables})
 
 
+@pytest.mark.system
 def test_the_variables_read_at_import_on_every_rank():
     """HEATLIKE_CHECK=False used to turn checking on; a bad value now stops every rank at
     import with the message, instead of being ignored."""

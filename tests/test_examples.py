@@ -14,6 +14,7 @@ from heatlike.testing.matrix import _clean_env
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.system
 def test_communication_tour_runs_on_emulated_nodes():
     env = {**_clean_env(), "HEATLIKE_RANKS_PER_NODE": "2", "HEATLIKE_LOG_RANKS": "0"}
     proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "heatlike",
@@ -26,6 +27,7 @@ def test_communication_tour_runs_on_emulated_nodes():
     assert "2 node(s) of sizes [2, 1]; cross-node groups: [[0, 2], [1]]" in out, out
 
 
+@pytest.mark.system
 @pytest.mark.slow  # 8 epochs under mpiexec
 @pytest.mark.parametrize("mode", ["--non-blocking", "--blocking"])
 def test_digits_example_learns(mode):
@@ -42,6 +44,7 @@ def test_digits_example_learns(mode):
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
+@pytest.mark.system
 @pytest.mark.slow  # five interpreters importing torch
 def test_every_example_explains_itself_with_help():
     """``python examples/X.py --help`` (no mpiexec) prints usage and the example's whole

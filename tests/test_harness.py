@@ -43,6 +43,7 @@ def _matrix(tmp_path: Path, size: int, *pytest_args: str) -> list[str]:
             *pytest_args]
 
 
+@pytest.mark.system
 @pytest.mark.slow  # two launches at two ranks
 def test_harness_propagates_failures_and_survives_hangs(tmp_path):
     (tmp_path / "test_suite.py").write_text(SUITE)
@@ -109,6 +110,7 @@ RESUMING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 @pytest.mark.slow  # five launches of mpiexec
 def test_runner_resumes_after_each_hang_and_runs_every_test_once(tmp_path):
     (tmp_path / "test_resuming.py").write_text(RESUMING)
@@ -162,6 +164,7 @@ def _processes_with(token: str) -> list[str]:
     return found
 
 
+@pytest.mark.system
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("how", ["SIGTERM", "parent killed"])
 def test_stopping_the_runner_leaves_no_process_behind(tmp_path, how):

@@ -33,6 +33,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("how", ["python -m heatlike", "decorator"])
 def test_exception_on_one_rank_aborts_job(tmp_path, how):
     decorate = "@heatlike.utils.abort_on_exception()" if how == "decorator" else ""

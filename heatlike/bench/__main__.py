@@ -11,6 +11,9 @@ Suites:
   costmodel   alpha-beta model of every algorithm's step time at 8 .. 4096 ranks (a model, not a
               measurement) next to the step times measured here
   all         every suite above, in this order
+  cluster     run alone, as root, not under mpiexec: the algorithms on a virtual cluster of two
+              nodes whose traffic crosses rate-limited links (1 and 10 Gbit/s): step time,
+              bytes on the links, time to accuracy (`python -m heatlike.bench cluster --help`)
 
 Figures are medians over interleaved rounds, each round timed by its slowest rank. --quick is a
 smoke run (fewer sizes, repetitions and epochs; one algorithm per communication pattern): under
@@ -81,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["cluster"]:  # a driver of its own: it launches the jobs
+        from .cluster import run as run_cluster
+
+        return run_cluster(argv[1:])
     p = _parser()
     args = p.parse_args(argv)
     if not args.suites and not args.trace:

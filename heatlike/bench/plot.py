@@ -28,7 +28,7 @@ from collections import defaultdict
 
 from ._common import Record, Results
 
-__all__ = ["plot_results", "main"]
+__all__ = ["plot_results", "plot_cluster", "main"]
 
 
 def _figure(width: float, height: float):
@@ -282,6 +282,57 @@ def plot_results(results: Results | list[dict] | str, outdir: str) -> list[str]:
         _costmodel(results, outdir),
     ]
     return [m for m in made if m is not None]
+
+
+def _grouped_bars(rows: list[dict], value, xlabel: str, outdir: str, name: str,
+                  title: str, log: bool = False) -> str:
+    """One panel per model; in each, one group of bars per algorithm, one bar per link rate."""
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    order = list(dict.fromkeys(r["algorithm"] for r in rows))
+    height = 0.8 / max(1, len(rates))
+    fig = _figure(5.0 * len(models), 0.4 * len(order) * max(1, len(rates)) / 2 + 1.8)
+    axes = fig.subplots(1, len(models), sharey=True, squeeze=False)[0]
+    for ax, model in zip(axes, models):
+        for j, rate in enumerate(rates):
+            found = {r["algorithm"]: r for r in rows if r["model"] == model and r["rate"] == rate}
+            values = [value(found[a]) if a in found else None for a in order]
+            ys = [i + (j - (len(rates) - 1) / 2) * height for i in range(len(order))]
+            ax.barh(ys, [float("nan") if v is None else v for v in values], height=height,
+                    color=_style(j)["color"], label=rate)
+            for y, v in zip(ys, values):
+                if v is None:
+                    ax.text(0, y, " never", va="center", fontsize=7)
+        ax.set_yticks(range(len(order)), order)
+        if ax is axes[0]:
+            ax.invert_yaxis()
+        if log:
+            ax.set_xscale("log")
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(fontsize=8, title="link rate", title_fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, outdir, f"{name}.png")
+
+
+def plot_cluster(rows: list[dict], outdir: str) -> list[str]:
+    """The figures of ``python -m heatlike.bench cluster`` (one dict per job, as its --json
+    writes them): time to accuracy, and step time with the bytes on the links."""
+    if not rows:
+        return []
+    os.makedirs(outdir, exist_ok=True)
+    where = f"{sum(int(k) for k in str(rows[0]['nodes']).split('+') if k.isdigit())} ranks " \
+            f"on nodes {rows[0]['nodes']}"
+    made = [_grouped_bars(rows, lambda r: r.get("tta_s"),
+                          "training time to blocking DataParallel's accuracy - 1 point (s)",
+                          outdir, "cluster_time_to_accuracy", f"time to accuracy, {where}")]
+    made.append(_grouped_bars(rows, lambda r: r["step_s"] * 1e3, "median step time (ms)",
+                              outdir, "cluster_step_time", f"step time, {where}"))
+    made.append(_grouped_bars(rows, lambda r: r["link_bytes"] / 1e6,
+                              "MB the nodes sent each other (interface counters)", outdir,
+                              "cluster_link_bytes", f"bytes on the links, {where}", log=True))
+    return made
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,12 @@ on the communicator (its *position*: heatlike's collectives, the agreements of
 ``heatlike.core.agreement`` and training steps) and the name of the last one, how many training
 steps it has begun and at which position each of the last eight began, and whether its program
 has ended (normally, or with an uncaught exception). The others read it one-sidedly (a rank
-busy computing or blocked in a collective need not answer), which gives
+busy computing or blocked in a collective need not answer; on one node the records are in shared
+memory, across nodes a read is an ``MPI_Rget`` that completes once the target makes MPI progress).
+A check made before issuing a collective reads every record anew (:meth:`Board.read`); the checks
+a polled wait repeats use the records as last answered and never wait for an answer
+(:meth:`Board.known`: records only grow, so an old one is still true), so a rank on another node
+that computes outside MPI delays neither the wait's deadline nor its other checks. This gives
 
 * the timeout's and the stall warning's "ranks [1] have not arrived (rank 1 is at #4 Allreduce)";
 * **ended ranks**: a rank whose program ended before entering a collective another rank waits in
@@ -285,7 +290,10 @@ class Board:
         # explain_steps(board, rows, ended, s) -> str
         self.explain_steps: Callable | None = None
         self._idup = None  # (duplicate, request) while the setup waits
-        self._late: list[tuple[MPI.Request, np.ndarray]] = []  # unanswered gets (read)
+        # reads of other ranks' records in flight (a get stays pending, with its buffer, until
+        # the target answers), and the last record each rank answered with (records only grow)
+        self._gets: list[tuple[int, MPI.Request, np.ndarray]] = []
+        self._known: list[np.ndarray | None] = [None] * self.size
 
     @property
     def established(self) -> bool:
@@ -383,30 +391,81 @@ class Board:
         self.window.Sync()
 
     def read(self, patience: float = 1.0) -> list[np.ndarray | None]:
-        """Every rank's record (None for a rank whose window could not be read within
-        ``patience`` seconds, or all None once the board is closed)."""
+        """Every rank's record, read anew, after this rank's own last record was written (None
+        for a rank whose window could not be read within ``patience`` seconds, or all None once
+        the board is closed). On one node the records are in shared memory; across nodes a read
+        completes when the other rank makes MPI progress, so a rank busy outside MPI makes this
+        wait up to ``patience``."""
+        direct = self._direct()
+        if direct is not None:
+            return direct
+        self._harvest()
+        fresh = {r: self._get(r) for r in range(self.size) if r != self.rank}
+        deadline = time.monotonic() + patience
+        rows: list[np.ndarray | None] = [None] * self.size
+        while fresh:
+            for r, (q, buf) in list(fresh.items()):
+                if q.Test():
+                    rows[r] = buf
+                    self._learn(r, buf)
+                    del fresh[r]
+            if not fresh or time.monotonic() >= deadline:
+                break
+            time.sleep(1e-4)
+        # an unanswered get stays pending: it completes when the target next makes progress
+        # (at the latest when the window is freed), and then counts as that rank's known record
+        self._gets += [(r, q, buf) for r, (q, buf) in fresh.items()]
+        rows[self.rank] = self.local.copy()
+        return rows
+
+    def known(self) -> list[np.ndarray | None]:
+        """Every rank's record as last answered, without waiting (None for a rank that has not
+        answered yet): completes the reads that have been answered and starts one for each rank
+        without a read in flight. Records only grow (positions, steps, the end of a program), so
+        an older record is a true statement about the past; checks repeated while a rank waits
+        use this, so that a rank on another node that is busy outside MPI delays nothing."""
+        direct = self._direct()
+        if direct is not None:
+            return direct
+        self._harvest()
+        asked = {r for r, _, _ in self._gets}
+        for r in range(self.size):
+            if r != self.rank and r not in asked:
+                q, buf = self._get(r)
+                self._gets.append((r, q, buf))
+        self._harvest()
+        rows = [None if row is None else row.copy() for row in self._known]
+        rows[self.rank] = self.local.copy()
+        return rows
+
+    def _direct(self) -> list[np.ndarray | None] | None:
+        """The records when no get is needed: all None once the board is closed, copies of
+        the shared memory on one node; None otherwise (after syncing this rank's own)."""
         if self.window is None or self.closed:
             return [None] * self.size
         self.window.Sync()
         if self.shared is not None:
             return [row.copy() for row in self.shared]
-        # a get the target has not answered stays pending with its buffer (it completes when
-        # the target next makes MPI progress, at the latest when the window is freed)
-        self._late = [(q, buf) for q, buf in self._late if not q.Test()]
-        rows: list[np.ndarray | None] = [np.zeros(_SLOTS, dtype=np.int64)
-                                         for _ in range(self.size)]
-        requests = {r: self.window.Rget(rows[r], r) for r in range(self.size) if r != self.rank}
-        deadline = time.monotonic() + patience
-        while True:
-            requests = {r: q for r, q in requests.items() if not q.Test()}
-            if not requests or time.monotonic() >= deadline:
-                break
-            time.sleep(1e-4)
-        for r, q in requests.items():
-            self._late.append((q, rows[r]))
-            rows[r] = None
-        rows[self.rank] = self.local.copy()
-        return rows
+        return None
+
+    def _get(self, r: int) -> tuple[MPI.Request, np.ndarray]:
+        buf = np.zeros(_SLOTS, dtype=np.int64)
+        return self.window.Rget(buf, r), buf
+
+    def _harvest(self) -> None:
+        """Complete the reads in flight that have been answered."""
+        pending = []
+        for r, q, buf in self._gets:
+            if q.Test():
+                self._learn(r, buf)
+            else:
+                pending.append((r, q, buf))
+        self._gets = pending
+
+    def _learn(self, r: int, row: np.ndarray) -> None:
+        old = self._known[r]
+        if old is None or row[SEQ] >= old[SEQ]:
+            self._known[r] = row
 
     def where(self, patience: float = 1.0) -> list[tuple[int, str] | None]:
         """(sequence number, operation) of every rank, read from their windows (None for a rank
@@ -437,16 +496,20 @@ class Board:
     # -- verdicts ----------------------------------------------------------------------------
 
     def verify(self, what: Callable[[], str] | None = None, any_ended: bool = False,
-               steps: bool = True) -> None:
+               steps: bool = True, current: bool = True) -> None:
         """Raise RuntimeError (on this rank) when what this rank waits for, or is about to
         issue, can never complete or would match another rank's different collective: a rank
         whose program ended before this rank's position (``any_ended``: whose program ended at
         all, for operations that are not counted collectives), or, on a board with training
         steps, a rank whose collective at the same position belongs to another number of
-        steps (unless ``steps`` is False)."""
+        steps (unless ``steps`` is False).
+
+        ``current``: read every record anew, after this rank's own (:meth:`read`): what a check
+        before issuing a collective needs. False: judge the records as last answered, without
+        waiting (:meth:`known`), for the checks a wait repeats while it polls."""
         if self.window is None or self.closed:
             return
-        rows = self.read(patience=0.5)
+        rows = self.read(patience=0.5) if current else self.known()
         mine = rows[self.rank]
         k = position(mine)
         ended = [r for r, row in enumerate(rows) if r != self.rank and row is not None and
@@ -476,8 +539,8 @@ class Board:
     def waiting_for_me(self) -> list[tuple[int, int, str]]:
         """(rank, position, operation) of the ranks still running that have entered a
         collective past this rank's position (at the end of this rank's program: they wait for
-        it forever)."""
-        rows = self.read(patience=0.5)
+        it forever; from the records as last answered)."""
+        rows = self.known()
         k = position(rows[self.rank])
         return [(r, position(row), operation(row)) for r, row in enumerate(rows)
                 if r != self.rank and row is not None and not row[ENDED] and position(row) > k]
@@ -489,7 +552,7 @@ class Board:
                                           [everyone, MPI.INT64_T])
         wait(request, lambda: "the collective-consistency check", self, self.seq,
              watch=lambda: self.verify(lambda: "the collective-consistency check",
-                                       any_ended=True))
+                                       any_ended=True, current=False))
         rows = everyone.reshape(self.size, -1)
         for r, row in enumerate(rows):
             if not np.array_equal(row, rows[0]):
@@ -507,7 +570,8 @@ class Board:
         if not self.closed:
             request = self.channel.Ibarrier()
             wait(request, lambda: f"{what} (the release of its board)", self,
-                 watch=lambda: self.verify(lambda: what, any_ended=True, steps=False))
+                 watch=lambda: self.verify(lambda: what, any_ended=True, steps=False,
+                                           current=False))
             self.close()
         if self in _BOARDS:
             _BOARDS.remove(self)
@@ -522,8 +586,8 @@ class Board:
         if self.window is not None and not self.closed:
             self.closed = True
             self.hub.count = None
-            self.window.Unlock_all()  # completes the late gets too
-            self._late = []
+            self.window.Unlock_all()  # completes the gets in flight too
+            self._gets = []
             self.window.Free()
 
 
@@ -540,7 +604,7 @@ def _ended_members(handle: MPI.Intracomm, rank: int) -> list[int]:
     finally:
         group.Free()
         everyone.Free()
-    rows = world.read(patience=0.2)
+    rows = world.known()
     return [r for r, w in enumerate(members)
             if r != rank and rows[w] is not None and rows[w][ENDED]]
 
@@ -562,7 +626,8 @@ def private_duplicate(comm, what: str) -> MPI.Intracomm:
 
     def watch() -> None:
         if board is not None:
-            board.verify(lambda: f"{what} on {comm!r}", any_ended=True, steps=False)
+            board.verify(lambda: f"{what} on {comm!r}", any_ended=True, steps=False,
+                         current=False)
         else:
             _raise_if_ended(comm.handle, comm.rank, f"{what} on {comm!r}")
 
@@ -661,7 +726,7 @@ def wait(request, what: Callable[[], str], board: Board | None = None, seq: int 
         if now >= next_watch:
             inner = _innermost(request, board, seq)[0]
             if inner is not None:
-                inner.verify(what)
+                inner.verify(what, current=False)
             if watch is not None:
                 watch()
             next_watch = now + every

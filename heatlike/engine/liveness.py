@@ -60,9 +60,10 @@ class StepBoard:
 
     def check(self) -> None:
         """Raise RuntimeError if a rank that this rank's collectives need has ended, or the
-        ranks are in different training steps at the same collective."""
+        ranks are in different training steps at the same collective (from the records as last
+        answered: called repeatedly while an exchange is waited for)."""
         if self.board is not None:
-            self.board.verify()
+            self.board.verify(current=False)
 
 
 def board_of(comm: MPICommunication) -> StepBoard:

@@ -8,10 +8,14 @@ rank's tensors (``Gather``); around the codec it applies ``prepare`` (division b
   sum by the number of ranks, ``"custom_avg"`` by ``denom`` (settable per step), ``"sum"``,
   ``"min"``, ``"max"`` reduce plainly; ``divide_before`` divides each contribution first
   (float16 overflow safety). ``Gather`` uses ``Allgather`` (``Allgatherv`` after exchanging the
-  counts when sizes vary).
-* :class:`Hierarchical`: ``Sum`` as node-local reduce to each node's local rank 0, all-reduce among
-  those (one rank per node), node-local broadcast: what Horovod's hierarchical all-reduce does,
-  so only one rank per node uses the slow links between nodes.
+  counts when sizes vary). A float16/bfloat16 ``Sum`` on a private channel over several nodes of
+  equal size runs node-aware (:func:`node_aware_sum`), so that half precision halves the bytes
+  that cross the links.
+* :class:`Hierarchical`: ``Sum`` in three phases over the node-local and cross-node communicators:
+  reduce-scatter in the node, concurrent all-reduces of the shards across the nodes (one per
+  local rank), all-gather in the node (:func:`node_aware_sum`, what Horovod's hierarchical
+  all-reduce does); on nodes of different sizes, a reduce to each node's local rank 0, an
+  all-reduce among those and a node-local broadcast.
 * :class:`Gossip`: ``Sum`` becomes a neighbor mix ``x_i <- sum_j W_ij x_j`` over a
   :class:`~heatlike.core.topology.NeighborGraph` (one ``Neighbor_allgather`` on the MPI
   distributed-graph communicator); for codecs whose payload is the values themselves.
@@ -35,7 +39,7 @@ from mpi4py import MPI
 from ..core.communication import IN_PLACE, MPICommunication, Request, sanitize_comm
 from ..core.topology import NeighborGraph, Topology
 
-__all__ = ["Reducer", "AllReduce", "Hierarchical", "Gossip"]
+__all__ = ["Reducer", "AllReduce", "Hierarchical", "Gossip", "node_aware_sum"]
 
 _OPS = {"avg": MPI.SUM, "custom_avg": MPI.SUM, "sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 
@@ -59,6 +63,11 @@ class Reducer:
         docstring)."""
         return self.comm.Dup(serial=True)
 
+    @staticmethod
+    def _world(channel):
+        """The whole-communicator part of an ``open_channel()`` result (None: no channel)."""
+        return channel["world"] if isinstance(channel, dict) else channel
+
     def prepare(self, values: torch.Tensor):
         """Before the codec runs (default: nothing); returns what :meth:`finish` of the same
         exchange needs (settings changed while it is in flight do not apply to it)."""
@@ -73,11 +82,11 @@ class Reducer:
 
     def start_flags(self, flags: torch.Tensor, channel=None) -> Request:
         """Start the exact sum of per-parameter use counters."""
-        return (channel or self.comm).Iallreduce(IN_PLACE, flags, MPI.SUM)
+        return (self._world(channel) or self.comm).Iallreduce(IN_PLACE, flags, MPI.SUM)
 
     def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
         """Operation returning ``result[r][i]``: tensor i of rank r."""
-        comm = channel or self.comm
+        comm = self._world(channel) or self.comm
         parts = []
         for t in tensors:
             self.bytes_sent += _nbytes(t)
@@ -137,9 +146,29 @@ class AllReduce(Reducer):
             values.div_(self.denom)
         return self.denom
 
+    def open_channel(self):
+        """Collective: a private serial duplicate of ``comm``; where ``comm`` spans several nodes
+        with the same number (> 1) of ranks each, also of its node-local and cross-node
+        communicators, over which half-precision sums run node-aware (:meth:`combine`)."""
+        world = self.comm.Dup(serial=True)
+        from ..core.topology import get_topology
+
+        topo = get_topology(self.comm)
+        if not _layered(topo):
+            return world
+        return {"world": world, "node": topo.node_comm.Dup(serial=True),
+                "cross": topo.cross_comm.Dup(serial=True)}
+
     def combine(self, t: torch.Tensor, channel=None):
+        """Sum ``t`` in place. float16/bfloat16 on a channel over several equal nodes: node-aware
+        (:func:`node_aware_sum`), so that what crosses the links is half of the float32 sum's
+        bytes; MPI's own all-reduce otherwise (for float32 already topology-aware in the common
+        MPI libraries)."""
         self.bytes_sent += _nbytes(t)
-        yield (channel or self.comm).Iallreduce(IN_PLACE, t, _OPS[self.op])
+        if isinstance(channel, dict) and t.dtype in (torch.float16, torch.bfloat16):
+            yield from node_aware_sum(t, _OPS[self.op], channel["node"], channel["cross"])
+        else:
+            yield (self._world(channel) or self.comm).Iallreduce(IN_PLACE, t, _OPS[self.op])
 
     def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
         if self.op in ("min", "max"):
@@ -152,8 +181,11 @@ class AllReduce(Reducer):
 
 
 class Hierarchical(AllReduce):
-    """Node-local reduce, cross-node all-reduce among each node's local rank 0, node-local
-    broadcast (``topology`` defaults to the communicator's)."""
+    """All-reduce in three phases over the node-local and cross-node communicators
+    (``topology`` defaults to the communicator's). On nodes of equal size (> 1 rank):
+    :func:`node_aware_sum`, every local rank carrying its shard across the links at the same time.
+    On nodes of different sizes: a reduce to each node's local rank 0, an all-reduce among those,
+    and a node-local broadcast."""
 
     single_phase = False
 
@@ -177,6 +209,9 @@ class Hierarchical(AllReduce):
         node = channel["node"] if channel else topo.node_comm
         cross = channel["cross"] if channel else topo.cross_comm
         self.bytes_sent += _nbytes(t)
+        if len(set(topo.local_sizes)) == 1:
+            yield from node_aware_sum(t, op, node, cross)
+            return
         if node.size > 1:
             yield node.Ireduce(IN_PLACE if topo.is_leader else t, t if topo.is_leader else None,
                                op, 0)
@@ -185,11 +220,40 @@ class Hierarchical(AllReduce):
         if node.size > 1:
             yield node.Ibcast(t, 0)
 
-    def gather(self, tensors, variable=False, channel=None):
-        return (yield from super().gather(tensors, variable, channel and channel["world"]))
 
-    def start_flags(self, flags, channel=None):
-        return super().start_flags(flags, channel and channel["world"])
+def _layered(topo: Topology) -> bool:
+    """Whether node-aware sums apply: several nodes, all of the same size > 1."""
+    return topo.num_nodes > 1 and len(set(topo.local_sizes)) == 1 and topo.local_sizes[0] > 1
+
+
+def node_aware_sum(t: torch.Tensor, op: MPI.Op, node: MPICommunication,
+                   cross: MPICommunication):
+    """Operation: ``t`` (contiguous) reduced with ``op`` over every rank, in place, as Horovod's
+    hierarchical all-reduce does it. With L ranks per node and n elements:
+
+    1. reduce-scatter inside the node: local rank i gets shard i (about n / L elements) of the
+       node's sum;
+    2. all-reduce of shard i among the ranks with local rank i, one per node: the L cross-node
+       all-reduces run at the same time, each over a 1/L share of the buffer, so a node's link
+       carries what one flat all-reduce of the buffer between the nodes would, and no rank idles;
+    3. all-gather inside the node.
+
+    For float16/bfloat16 every phase accumulates in float32 and rounds once (heatlike's half
+    reductions), so the node's partial sum is rounded to the half type once more than in a flat
+    sum before it crosses the link. Every node must have the same number of ranks."""
+    flat = t.view(-1)
+    if node.size == 1:
+        yield cross.Iallreduce(IN_PLACE, flat, op)
+        return
+    if cross.size == 1:
+        yield node.Iallreduce(IN_PLACE, flat, op)
+        return
+    n, size = flat.numel(), node.size
+    counts = [n // size + (1 if i < n % size else 0) for i in range(size)]
+    shard = torch.empty(counts[node.rank], dtype=flat.dtype, device=flat.device)
+    yield node.Ireduce_scatter(flat, shard, counts, op)
+    yield cross.Iallreduce(IN_PLACE, shard, op)
+    yield node.Iallgatherv(shard, (flat, counts))
 
 
 class Gossip(Reducer):

@@ -166,7 +166,7 @@ class Join:
             # a rank whose program ended never notifies again
             def watch() -> None:
                 board.verify(lambda: f"heatlike.nn.Join's notification on {self.comm!r}",
-                             any_ended=True, steps=False)
+                             any_ended=True, steps=False, current=False)
         for request in requests:
             _checks.wait(request, lambda: f"heatlike.nn.Join's notification on {self.comm!r}",
                          watch=watch)

@@ -1,0 +1,295 @@
+"""``python -m heatlike.bench cluster``: the algorithms on two nodes whose traffic crosses real,
+rate-limited links.
+
+Run as one process, as root, *not* under ``mpiexec``: the suite brings up a virtual cluster of two
+nodes with two ranks each (:mod:`heatlike.testing.cluster`; docs/multinode.md) and, for every link
+rate (``--rates``, default 1 and 10 Gbit/s), model and algorithm, launches one 4-rank job that
+trains on scikit-learn's digits for ``--epochs`` epochs (6; 2 with ``--quick``), batch 32 per rank,
+plain SGD learning rate 0.05 (scaled per algorithm as :data:`heatlike.recipes.ALGORITHMS` says),
+the same initial weights and data order in every job. The models: ``mlp``, 64-2048-2048-10 (4.35M
+parameters, where the links dominate) and ``cnn``, two 3x3 convolutions and two linear layers
+(151K parameters, where computation does).
+
+Per job it reports
+
+* **step**: the median time of a training step, slowest rank;
+* **link MB**: the bytes both nodes sent each other during the job, read from their interfaces'
+  counters (not estimated), and the part of it per step; a job whose nodes exchanged fewer than
+  16 KiB is an error (its transport did not use the links, so its times say nothing);
+* **accuracy**: the test accuracy after the last epoch;
+* **time to accuracy**: the training time (evaluations excluded) until the test accuracy first
+  reached blocking DataParallel's final accuracy less one point, and its ratio to blocking
+  DataParallel's own time to it ("never" when not reached within the epochs).
+
+Figures (``--plot DIR``): ``cluster_time_to_accuracy.png``, ``cluster_step_time.png`` and
+``cluster_link_bytes.png``: per algorithm one bar per link rate, one panel per model.
+
+The bytes include MPICH's start-up (about 35 KB) and the evaluations' all-reduces (a few KB).
+Everything runs on this machine's cores: computation is as slow as 4 ranks on them make it,
+only the links are a cluster's. Under ``srun`` or ``mpiexec`` on a real cluster (world size > 1)
+the suite trains the same jobs in the running job instead and reports the payload bytes the
+engine counted, since it cannot read the links' counters there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["ALGORITHMS", "MODELS", "run", "run_job"]
+
+#: the algorithms compared (keys of heatlike.recipes.ALGORITHMS)
+ALGORITHMS = ["allreduce", "allreduce-nonblocking", "bf16", "hierarchical", "daso", "powersgd-2",
+              "topk-1%", "decentralized"]
+QUICK_ALGORITHMS = ["allreduce", "bf16", "hierarchical", "daso", "powersgd-2"]
+MODELS = ["mlp", "cnn"]
+RANKS_PER_NODE = (2, 2)
+BATCH_SIZE = 32
+
+
+def _cnn(seed: int = 0):
+    """Two 3x3 convolutions (32 and 64 channels) and two linear layers on the 8x8 digits (151K
+    parameters); the input is the flat 64-vector of :func:`heatlike.recipes.load_digits_split`."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _task(model: str):
+    from ..recipes import Task, load_digits_split
+
+    data = load_digits_split(0)
+    if model == "mlp":
+        return Task("digits-mlp-4.35M", data, [64, 2048, 2048, 10], batch_size=BATCH_SIZE)
+    return Task("digits-cnn", data, [64, 10], batch_size=BATCH_SIZE, model=_cnn)
+
+
+def run_job(algorithm: str, model: str, epochs: int) -> dict:
+    """Collective over MPI_COMM_WORLD: train ``model`` with ``algorithm`` (module docstring);
+    returns (on every rank) the median step time of the slowest rank, the accuracy after every
+    epoch with the training time so far, and the payload bytes per step this engine counted."""
+    from mpi4py import MPI
+
+    from ..core.communication import MPICommunication
+    from ..recipes import train_task
+    from ..utils import configure_threads
+
+    configure_threads()
+    comm = MPICommunication(MPI.COMM_WORLD)
+    task = _task(model)
+    result = train_task(algorithm, comm, task, epochs=epochs, seed=0, curve=True)
+    steps = result.step_times[min(3, len(result.step_times) - 1):]  # the first build buckets
+    step = comm.handle.allreduce(statistics.median(steps), op=MPI.MAX)
+    parameters = sum(p.numel() for p in task.build(0).parameters())
+    return {"algorithm": algorithm, "model": model, "parameters": parameters,
+            "steps": len(result.step_times), "step_s": step, "accuracy": result.accuracy,
+            "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
+            "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve]}
+
+
+# ---------------------------------------------------------------------------- the driver
+
+
+def run(argv: list[str] | None = None) -> int:
+    """``python -m heatlike.bench cluster [options]`` (module docstring); returns the exit
+    status."""
+    opts = _parser().parse_args(argv)
+    if opts.job:
+        return job_main(opts.job[0], opts.job[1], int(opts.job[2]), opts.out)
+    algorithms = _choose(opts.algorithms, QUICK_ALGORITHMS if opts.quick else ALGORITHMS)
+    models = _choose(opts.models, MODELS, what="model")
+    rates = [r.strip() for r in opts.rates.split(",") if r.strip()]
+    epochs = opts.epochs or (2 if opts.quick else 6)
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        rows = _in_this_job(algorithms, models, epochs)
+    else:
+        rows = _on_a_virtual_cluster(algorithms, models, rates, epochs, opts)
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return 0
+    rows = _with_time_to_accuracy(rows)
+    print(_table(rows), flush=True)
+    if opts.json:
+        _write_json(rows, opts.json)
+        print(f"# wrote {opts.json}", flush=True)
+    if opts.plot:
+        from .plot import plot_cluster
+
+        for path in plot_cluster(rows, opts.plot):
+            print(f"# wrote {path}", flush=True)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m heatlike.bench cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="2 epochs, 5 algorithms (one per pattern)")
+    p.add_argument("--rates", default="1gbit,10gbit",
+                   help="link rates, comma-separated (default 1gbit,10gbit)")
+    p.add_argument("--algorithms", metavar="A,B,...",
+                   help=f"algorithms (default: {','.join(ALGORITHMS)})")
+    p.add_argument("--models", metavar="M,...", help="mlp, cnn or both (default both)")
+    p.add_argument("--epochs", type=int, default=0, help="epochs per job (default 6)")
+    p.add_argument("--timeout", type=float, default=1200.0,
+                   help="seconds one job may take (default 1200)")
+    p.add_argument("--mpiexec", help="MPICH's Hydra mpiexec to launch with (default: the one "
+                                     "next to this Python, else PATH's)")
+    p.add_argument("--json", metavar="PATH", help="write one JSON object per job")
+    p.add_argument("--plot", metavar="DIR", help="write the figures to DIR")
+    p.add_argument("--job", nargs=3, metavar=("ALGORITHM", "MODEL", "EPOCHS"),
+                   help=argparse.SUPPRESS)  # one job, launched by the driver on the nodes
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def _choose(spec: str | None, default: list[str], what: str = "algorithm") -> list[str]:
+    from ..recipes import ALGORITHMS as KNOWN
+
+    if not spec:
+        return list(default)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = KNOWN if what == "algorithm" else MODELS
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"bench cluster: unknown {what}(s) {unknown}; choose from "
+                         f"{sorted(known)}")
+    return names
+
+
+def _on_a_virtual_cluster(algorithms, models, rates, epochs, opts) -> list[dict]:
+    from ..testing.cluster import ClusterError, VirtualCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"bench cluster: the virtual cluster cannot start here: {reason}")
+    rows = []
+    cluster = VirtualCluster(list(RANKS_PER_NODE), rates[0], name=f"hlb{os.getpid() % 100000}",
+                             mpiexec=opts.mpiexec)
+    try:
+        cluster.up(temporary=True)
+        with tempfile.TemporaryDirectory(prefix="heatlike-bench-cluster-") as tmp:
+            for rate in rates:
+                cluster.set_rate(rate)
+                for model in models:
+                    for algorithm in algorithms:
+                        out = Path(tmp) / f"{rate}-{model}-{algorithm}.json"
+                        rows.append(_launch(cluster, algorithm, model, epochs, rate, out,
+                                            opts.timeout))
+                        r = rows[-1]
+                        print(f"# {rate} {model} {algorithm}: step {r['step_s'] * 1e3:.1f} ms, "
+                              f"{r['link_bytes'] / 1e6:.1f} MB between the nodes, accuracy "
+                              f"{r['accuracy']:.4f}", flush=True)
+    except ClusterError as error:
+        raise SystemExit(f"bench cluster: {error}") from error
+    finally:
+        cluster.down()
+    return rows
+
+
+def _launch(cluster, algorithm: str, model: str, epochs: int, rate: str, out: Path,
+            timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "heatlike.bench", "cluster", "--job", algorithm, model,
+           str(epochs), "--out", str(out)]
+    result = cluster.run(cmd, list(RANKS_PER_NODE), timeout=timeout, require_traffic=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0 or not out.exists():
+        status = "ran past --timeout" if result.returncode is None else \
+            f"exit status {result.returncode}"
+        raise SystemExit(f"bench cluster: the job {algorithm} / {model} at {rate} failed "
+                         f"({status}):\n{result.report()}")
+    row = json.loads(out.read_text())
+    row.update(rate=rate, nodes="+".join(map(str, RANKS_PER_NODE)), seconds=result.seconds,
+               link_bytes=result.between_nodes, sent=result.sent, counted="link counters")
+    return row
+
+
+def _in_this_job(algorithms, models, epochs) -> list[dict]:
+    """Under srun / mpiexec on a real cluster: the same jobs in the running job."""
+    from mpi4py import MPI
+
+    from ._common import detect_layout, topology_label
+
+    detect_layout(MPI.COMM_WORLD)
+    rows = []
+    for model in models:
+        for algorithm in algorithms:
+            row = run_job(algorithm, model, epochs)
+            row.update(rate="as launched", nodes=topology_label(), counted="engine payload",
+                       link_bytes=row["payload_bytes_per_step"] * row["steps"])
+            rows.append(row)
+    return rows
+
+
+def job_main(algorithm: str, model: str, epochs: int, out: str) -> int:
+    """The job the driver launches on the nodes: rank 0 writes :func:`run_job`'s result."""
+    from mpi4py import MPI
+
+    row = run_job(algorithm, model, epochs)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        Path(out).write_text(json.dumps(row))
+    return 0
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def time_to(curve: list, target: float) -> float | None:
+    """Training seconds until the accuracy first reached ``target`` (None: never)."""
+    return next((seconds for _, seconds, accuracy in curve if accuracy >= target), None)
+
+
+def _with_time_to_accuracy(rows: list[dict]) -> list[dict]:
+    """Add each row's time to blocking DataParallel's final accuracy less one point (same rate
+    and model) and its ratio to DataParallel's own time to it."""
+    for row in rows:
+        base = next((r for r in rows if r["algorithm"] == "allreduce" and
+                     r["rate"] == row["rate"] and r["model"] == row["model"]), None)
+        row["target"] = row["tta_s"] = row["tta_ratio"] = None
+        if base is None:
+            continue
+        row["target"] = base["accuracy"] - 0.01
+        row["tta_s"] = time_to(row["curve"], row["target"])
+        reference = time_to(base["curve"], row["target"])
+        if row["tta_s"] is not None and reference:
+            row["tta_ratio"] = row["tta_s"] / reference
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| rate | model | algorithm | step ms | step / DP | link MB | MB / step | "
+             "accuracy | time to DP's accuracy (s) | / DP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        base = next((r for r in rows if r["algorithm"] == "allreduce" and
+                     r["rate"] == row["rate"] and r["model"] == row["model"]), None)
+        ratio = f"{row['step_s'] / base['step_s']:.2f}" if base else "-"
+        tta = "never" if row.get("target") is not None and row["tta_s"] is None else \
+            (f"{row['tta_s']:.2f}" if row.get("tta_s") is not None else "-")
+        tta_ratio = f"{row['tta_ratio']:.2f}" if row.get("tta_ratio") is not None else "-"
+        lines.append(f"| {row['rate']} | {row['model']} | {row['algorithm']} | "
+                     f"{row['step_s'] * 1e3:.1f} | {ratio} | {row['link_bytes'] / 1e6:.1f} | "
+                     f"{row['link_bytes'] / 1e6 / max(1, row['steps']):.3f} | "
+                     f"{row['accuracy']:.4f} | {tta} | {tta_ratio} |")
+    counted = {row["counted"] for row in rows}
+    lines.append(f"\nbytes: {', '.join(sorted(counted))}; {rows[0]['nodes'] if rows else ''} "
+                 f"ranks per node; {time.strftime('%Y-%m-%d %H:%M')}")
+    return "\n".join(lines)
+
+
+def _write_json(rows: list[dict], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
