@@ -57,9 +57,11 @@ def test_primitives_by_hand():
     # reduce / bcast: reduce-scatter + gather, scatter + all-gather
     assert cm.reduce(n, 4, LOCAL) == pytest.approx(2 * 3 * (2e-6 + 2e6 * 1e-10))
     assert cm.bcast(n, 4, LOCAL) == cm.reduce(n, 4, LOCAL)
-    # hierarchical on 4 nodes x 4 ranks: local reduce + cross ring among 4 + local bcast
+    # hierarchical on 4 nodes x 4 ranks: local reduce-scatter of n (3 steps of n/4) + the 4
+    # shards all-reduced across the 4 nodes at once (a ring of n at the node's link) + local
+    # all-gather of the n/4 shards
     lay = cm.Layout(16, 4)
-    expected = 2 * (2 * 3 * (2e-6 + 2e6 * 1e-10)) + 2 * 3 * (5e-6 + 2e6 * 1e-9)
+    expected = 2 * (3 * (2e-6 + 2e6 * 1e-10)) + 2 * 3 * (5e-6 + 2e6 * 1e-9)
     assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(expected)
     assert cm.neighbor_exchange(1000, 2, LOCAL) == pytest.approx(2 * (2e-6 + 1000 * 1e-10))
 
@@ -74,7 +76,11 @@ def test_algorithm_models_by_hand():
     ring = lambda nbytes: 2 * 7 * (5e-6 + nbytes / 8 * 1e-9)  # noqa: E731
     gather = lambda k: 7 * (5e-6 + k * 1e-9)  # noqa: E731
     assert cm.comm_time("allreduce", shapes, lay, LINKS) == pytest.approx(ring(4 * m))
-    assert cm.comm_time("bf16", shapes, lay, LINKS) == pytest.approx(ring(2 * m))
+    # bf16 on 2 full nodes: node-aware, i.e. hierarchical of 2m; on one node a ring of 2m
+    assert cm.comm_time("bf16", shapes, lay, LINKS) == pytest.approx(
+        2 * (3 * (2e-6 + 2 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 2 * m / 2 * 1e-9))
+    assert cm.comm_time("bf16", shapes, cm.Layout(4, 4), LINKS) == pytest.approx(
+        2 * 3 * (2e-6 + 2 * m / 4 * 1e-10))
     # PowerSGD rank 2: all-reduce of 4 (r sum rows + 1-D) then of 4 r sum columns
     first = 4 * (2 * (128 + 64 + 10) + (128 + 64 + 10))
     second = 4 * 2 * (64 + 128 + 64)
@@ -86,7 +92,7 @@ def test_algorithm_models_by_hand():
     assert cm.comm_time("sign", shapes, lay, LINKS) == pytest.approx(gather(math.ceil(m / 8)))
     assert cm.comm_time("decentralized", shapes, lay, LINKS) == pytest.approx(
         2 * (5e-6 + 4 * m * 1e-9))
-    hier = 2 * (2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 4 * m / 2 * 1e-9)
+    hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 4 * m / 2 * 1e-9)
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
     # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
     # 2 nodes and a node-local broadcast of 4m
@@ -397,3 +403,92 @@ def test_bench_cli_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit):
             main(argv)
 
+
+
+# -- python -m heatlike.bench cluster ----------------------------------------------------------
+
+def _job_row(algorithm: str, curve: list, step: float, link_mb: float) -> dict:
+    return {"algorithm": algorithm, "model": "cnn", "rate": "1gbit", "nodes": "2+2",
+            "step_s": step, "steps": 20, "accuracy": curve[-1][2], "curve": curve,
+            "link_bytes": link_mb * 1e6, "counted": "link counters"}
+
+
+def test_cluster_report_times_to_accuracy_against_blocking_data_parallel(tmp_path):
+    from heatlike.bench import cluster as bc
+    from heatlike.bench.plot import plot_cluster
+
+    rows = bc._with_time_to_accuracy([
+        _job_row("allreduce", [[1, 1.0, 0.80], [2, 2.0, 0.95]], 0.10, 20.0),
+        _job_row("daso", [[1, 0.5, 0.90], [2, 1.0, 0.945]], 0.05, 5.0),
+        _job_row("topk-1%", [[1, 0.4, 0.50], [2, 0.8, 0.90]], 0.04, 0.5)])
+    # the target is DataParallel's final accuracy less one point: 0.94
+    assert [r["target"] for r in rows] == [pytest.approx(0.94)] * 3
+    assert [r["tta_s"] for r in rows] == [2.0, 1.0, None]
+    assert [r["tta_ratio"] for r in rows] == [1.0, 0.5, None]
+    table = bc._table(rows)
+    assert "| 1gbit | cnn | daso | 50.0 | 0.50 | 5.0 | 0.250 | 0.9450 | 1.00 | 0.50 |" in table
+    assert "| 1gbit | cnn | topk-1% | 40.0 | 0.40 | 0.5 | 0.025 | 0.9000 | never | - |" in table
+    paths = plot_cluster(rows, str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == [
+        "cluster_time_to_accuracy.png", "cluster_step_time.png", "cluster_link_bytes.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_cluster_suite_refuses_unknown_names():
+    from heatlike.bench import cluster as bc
+
+    with pytest.raises(SystemExit, match="unknown algorithm"):
+        bc.run(["--algorithms", "allreduce,nope"])
+    with pytest.raises(SystemExit, match="unknown model"):
+        bc.run(["--models", "resnet"])
+
+
+def _bench_cluster(tmp_path, *args: str, launcher: list[str] = ()) -> tuple[list[dict], str]:
+    import subprocess
+    import sys
+
+    from heatlike.testing.matrix import _clean_env
+
+    out = tmp_path / "cluster.json"
+    proc = subprocess.run([*launcher, sys.executable, "-m", "heatlike.bench", "cluster",
+                           "--models", "cnn", "--epochs", "1", "--json", str(out), *args],
+                          capture_output=True, text=True, timeout=600, env=_clean_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.system
+def test_cluster_suite_measures_the_links_of_a_virtual_cluster(tmp_path):
+    """Two jobs on two nodes at 1 Gbit/s: the bytes come from the links' counters, and half
+    precision on the wire halves what crosses them (the node-aware half sum)."""
+    from heatlike.testing.cluster import MIN_BYTES, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"virtual cluster unavailable: {reason}")
+    rows, stdout = _bench_cluster(tmp_path, "--rates", "1gbit", "--algorithms",
+                                  "allreduce,bf16", "--plot", str(tmp_path / "plots"))
+    assert [(r["algorithm"], r["rate"], r["nodes"]) for r in rows] == [
+        ("allreduce", "1gbit", "2+2"), ("bf16", "1gbit", "2+2")]
+    for r in rows:
+        assert r["counted"] == "link counters" and set(r["sent"]) == {"node1", "node2"}
+        assert r["link_bytes"] >= MIN_BYTES and r["steps"] > 5 and r["step_s"] > 0
+        assert 0.3 < r["accuracy"] <= 1.0 and len(r["curve"]) == 1
+    assert rows[1]["link_bytes"] < 0.6 * rows[0]["link_bytes"], rows
+    assert "| 1gbit | cnn | bf16 |" in stdout
+    assert (tmp_path / "plots" / "cluster_time_to_accuracy.png").exists()
+
+
+@pytest.mark.system
+def test_cluster_suite_in_a_running_job_reports_the_engines_bytes(tmp_path):
+    """Under mpiexec / srun (world size > 1) the suite trains in the running job and says that
+    its bytes are the engine's payload count, not link counters."""
+    from test_launch import mpiexec
+
+    rows, stdout = _bench_cluster(tmp_path, "--algorithms", "allreduce",
+                                  launcher=[mpiexec(), "-n", "2"])
+    (row,) = rows
+    assert row["counted"] == "engine payload" and row["rate"] == "as launched"
+    assert row["link_bytes"] == pytest.approx(row["payload_bytes_per_step"] * row["steps"])
+    assert row["link_bytes"] > 0 and "engine payload" in stdout

@@ -490,3 +490,30 @@ def test_codec_clock_counts_the_codec_and_not_the_communication(comm):
     spent = CODEC_CLOCK.seconds - before
     assert torch.equal(x, torch.full((4,), float(sum(range(comm.size)))))
     assert 0.05 <= spent < 0.2, spent
+
+
+def test_largest_selects_exactly_what_topk_selects():
+    """The threshold-first selection of TopK equals torch.topk's choice (as a set of values) on
+    large inputs, with NaN counted as largest, and falls back to torch.topk when the strided
+    sample misleads the threshold."""
+    from heatlike.engine.codecs import largest
+
+    g = torch.Generator().manual_seed(5)
+    n = 300_001
+    cases = {"normal": torch.randn(n, generator=g).abs(),
+             "ties": torch.randint(0, 50, (n,), generator=g).float()}
+    with_nan = torch.randn(n, generator=g).abs()
+    with_nan[[7, 70_000, 299_999]] = float("nan")
+    cases["nan"] = with_nan
+    misleading = torch.rand(n, generator=g)
+    misleading[::n // (1 << 15)] += 100.0  # the sample sees only the large values
+    cases["misleading sample"] = misleading
+    for name, a in cases.items():
+        for k in (1, 37, 3000, n // 8):
+            got = largest(a, k)
+            assert got.numel() == k and got.unique().numel() == k, (name, k)
+            want = torch.topk(a, k, sorted=False).values
+            torch.testing.assert_close(a[got].sort().values, want.sort().values, rtol=0, atol=0,
+                                       equal_nan=True, msg=f"{name}, k={k}")
+    nan_first = largest(with_nan, 3)
+    assert sorted(nan_first.tolist()) == [7, 70_000, 299_999]

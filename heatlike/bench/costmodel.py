@@ -26,8 +26,9 @@ Primitives, for n bytes per rank on p ranks over link (alpha, beta):
 * all-gather of k bytes from every rank: ``(p - 1) (alpha + k beta)``;
 * reduce to one rank and broadcast from one rank: ``2 (p - 1) (alpha + n/p beta)`` each
   (reduce-scatter + gather; scatter + all-gather);
-* hierarchical all-reduce: node-local reduce (L ranks, local link) + ring all-reduce among one
-  rank per node (N ranks, cross link) + node-local broadcast;
+* hierarchical all-reduce (heatlike's ``node_aware_sum``): node-local reduce-scatter
+  ``(L - 1) (alpha + n/L beta)`` + the L shards all-reduced across the N nodes at once, sharing
+  the node's link: ``2 (N - 1) (alpha + n/N beta)`` + node-local all-gather of the n/L shards;
 * neighbor exchange of n bytes with d neighbors: ``d (alpha + n beta)``.
 
 Per algorithm, with m parameters (float32, 4m bytes), matrices ``a_i x b_i`` (tensors of more
@@ -37,8 +38,8 @@ than one dimension, flattened after the first), and ``m_1`` elements in 1-D tens
 all-reduce presets (DataParallel,      ring all-reduce of 4m
 centralized SGD/Adam, clipping,
 DistOpt fused)
-bf16 cast, FP16Optimizer, DistOpt      ring all-reduce of 2m
-half
+bf16 cast, FP16Optimizer, DistOpt      ring all-reduce of 2m (bf16 cast on several equal
+half                                   nodes: hierarchical all-reduce of 2m)
 hierarchical                           hierarchical all-reduce of 4m
 PowerSGD rank r                        ring all-reduce of ``4 (r sum a_i + m_1)`` then of
                                        ``4 r sum b_i``
@@ -174,10 +175,12 @@ def bcast(nbytes: float, p: int, link: Link) -> float:
 
 
 def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
-    """Node-local reduce + ring all-reduce among one rank per node + node-local broadcast."""
+    """Node-local reduce-scatter + the shards all-reduced across the nodes concurrently (their
+    bytes share the node's link: a ring all-reduce of n among N ranks) + node-local all-gather."""
     local, nodes = layout.local, layout.nodes
-    return (reduce(nbytes, local, links.local) + ring_allreduce(nbytes, nodes, links.cross)
-            + bcast(nbytes, local, links.local))
+    return (allgather(nbytes / local, local, links.local)  # the reduce-scatter: same terms
+            + ring_allreduce(nbytes, nodes, links.cross)
+            + allgather(nbytes / local, local, links.local))
 
 
 def neighbor_exchange(nbytes: float, degree: int, link: Link) -> float:
@@ -243,6 +246,14 @@ def _hierarchical(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
     return hierarchical_allreduce(n, lay, links), n
 
 
+def _half_cast(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+    """The bf16 cast: node-aware on several full nodes of more than one rank, else a ring."""
+    n = 2.0 * s.total
+    if lay.nodes > 1 and lay.local > 1 and lay.ranks % lay.ranks_per_node == 0:
+        return hierarchical_allreduce(n, lay, links), n
+    return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+
+
 def _powersgd(rank: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         first = 4.0 * (rank * sum(a for a, _ in s.matrices) + s.vector_elements)
@@ -306,7 +317,7 @@ MODELS: dict[str, tuple[str, Model]] = {
     "centralized-adam": ("ring all-reduce 4m", _ring(4)),
     "custom-clip": ("ring all-reduce 4m", _ring(4)),
     "hierarchical": ("hierarchical 4m", _hierarchical),
-    "bf16": ("ring all-reduce 2m", _ring(2)),
+    "bf16": ("ring / hierarchical 2m", _half_cast),
     "fp16-optimizer": ("ring all-reduce 2m", _ring(2)),
     "powersgd-2": ("2 all-reduces, r=2", _powersgd(2)),
     "topk-1%": ("all-gather 8k, k=1%", _gather(lambda s: 8.0 * math.ceil(0.01 * s.total))),

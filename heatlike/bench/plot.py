@@ -322,8 +322,7 @@ def plot_cluster(rows: list[dict], outdir: str) -> list[str]:
     if not rows:
         return []
     os.makedirs(outdir, exist_ok=True)
-    where = f"{sum(int(k) for k in str(rows[0]['nodes']).split('+') if k.isdigit())} ranks " \
-            f"on nodes {rows[0]['nodes']}"
+    where = f"ranks per node {rows[0]['nodes']}"
     made = [_grouped_bars(rows, lambda r: r.get("tta_s"),
                           "training time to blocking DataParallel's accuracy - 1 point (s)",
                           outdir, "cluster_time_to_accuracy", f"time to accuracy, {where}")]
