@@ -269,6 +269,25 @@ def test_traffic_crosses_the_links(cluster, tmp_path):
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("mode", ["--non-blocking", "--blocking"])
+def test_the_digits_example_ends_without_transport_warnings(cluster, mode, tmp_path):
+    """Data-parallel training across the nodes over TCP leaves nothing unreceived: no transport
+    warning (UCX once printed "unexpected tag-receive descriptor ... was not matched" at the end
+    of every DataParallel run on two nodes), and the traffic crossed the links."""
+    root = Path(__file__).resolve().parent.parent
+    log = tmp_path / "digits.log"
+    with open(log, "w") as out:
+        r = cluster.run([sys.executable, "-m", "heatlike", str(root / "examples" / "digits.py"),
+                         "--epochs", "1", mode], n=3, timeout=300, require_traffic=True,
+                        stdout=out, stderr=subprocess.STDOUT)
+    text = log.read_text()
+    assert r.returncode == 0, r.report() + text
+    assert "test accuracy:" in text, text
+    assert not re.search(r"WARN|not matched|unexpected", text), text
+    assert r.between_nodes > 1_000_000, r.report()
+
+
+@pytest.mark.system
 def test_no_traffic_is_reported(cluster, tmp_path, capsys):
     """A job on two nodes whose ranks do not talk over the network is reported, and fails with
     --require-traffic: a program that never communicates, and the shared-memory bypass of

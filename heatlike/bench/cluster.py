@@ -203,13 +203,16 @@ def _launch(cluster, algorithm: str, model: str, epochs: int, rate: str, out: Pa
             timeout: float) -> dict:
     cmd = [sys.executable, "-m", "heatlike.bench", "cluster", "--job", algorithm, model,
            str(epochs), "--out", str(out)]
-    result = cluster.run(cmd, list(RANKS_PER_NODE), timeout=timeout, require_traffic=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out.with_suffix(".log")
+    with open(log, "w") as output:  # a file, not a pipe: nobody reads while the job runs
+        result = cluster.run(cmd, list(RANKS_PER_NODE), timeout=timeout, require_traffic=True,
+                             stdout=output, stderr=subprocess.STDOUT)
     if result.returncode != 0 or not out.exists():
         status = "ran past --timeout" if result.returncode is None else \
             f"exit status {result.returncode}"
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         raise SystemExit(f"bench cluster: the job {algorithm} / {model} at {rate} failed "
-                         f"({status}):\n{result.report()}")
+                         f"({status}):\n{result.report()}\n{tail}")
     row = json.loads(out.read_text())
     row.update(rate=rate, nodes="+".join(map(str, RANKS_PER_NODE)), seconds=result.seconds,
                link_bytes=result.between_nodes, sent=result.sent, counted="link counters")

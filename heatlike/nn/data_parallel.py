@@ -285,10 +285,12 @@ class DataParallelMultiGPU(torch.nn.Module):
         self._handle = module.register_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, _module, _args) -> None:
+        self.optimizer._progress()  # the global synchronizations in flight move on
         if self.grad_sync is not None:
             self.grad_sync.enabled = not self.training or self.optimizer.local_sync_now()
 
     def _backward_end(self) -> None:
+        self.optimizer._progress()
         self.grad_sync.synchronize()
 
     def forward(self, *args, **kwargs):

@@ -164,6 +164,7 @@ class DASO(WrappedOptimizer):
         self.scaler = None
         self.trace: list[tuple] | None = None  # set to [] to record (epoch, batch, event, ...)
         self._pending: list[_Sync] = []
+        self._merged: torch.Tensor | None = None  # the merge buffer, reused by every merge
         weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
@@ -268,6 +269,7 @@ class DASO(WrappedOptimizer):
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
+        self._progress()
         self._local_step()
         b, final = self.current_batch, self.last_batch - 1
         if self.trace is not None and self.local_sync_now():
@@ -290,6 +292,15 @@ class DASO(WrappedOptimizer):
             self._send_mod = 0
         else:
             self.current_batch += 1
+
+    def _progress(self) -> None:
+        """Advance the global synchronizations in flight: an exchange of several collectives
+        (the half-precision sum) issues its next one only when its request is tested, and MPI
+        moves data only inside MPI calls, so without this the whole exchange would happen in
+        the wait at the merge batch instead of during the batches in between."""
+        for sync in self._pending:
+            for request in sync.requests:
+                request.Test()
 
     def _local_step(self) -> None:
         if not self.amp:
@@ -346,19 +357,23 @@ class DASO(WrappedOptimizer):
                                "blocking" if blocking else "merge", sync.group))
         if not self._tensors:
             return
-        merged = comm_buffer(self._ref.numel(), torch.float32, self._ref.device)
+        merged = self._merged
+        if merged is None or merged.numel() != self._ref.numel() or \
+                merged.device != self._ref.device:
+            merged = self._merged = comm_buffer(self._ref.numel(), torch.float32,
+                                                self._ref.device)
         if topo.local_rank == sync.group:
             for request in sync.requests:
                 request.Wait()
             if self.link is not None:
                 self.link.wait_until(sync.ready_at)
-            avg = self._ref + sync.payload
             if blocking:
-                merged.copy_(avg)
-            else:
+                torch.add(self._ref, sync.payload, out=merged)
+            else:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
                 n, weight = topo.num_nodes, 2.0 * sync.btw
+                avg = sync.payload.add_(self._ref)  # the payload is not needed any more
                 pack(self._tensors, merged)
-                merged.mul_(weight).add_(avg, alpha=n).div_(n + weight)
+                merged.lerp_(avg, n / (n + weight))
         topo.node_comm.Bcast(merged, root=sync.group)
         if topo.local_size > 1:
             self.bytes_node += merged.numel() * merged.element_size()
