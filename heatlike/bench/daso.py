@@ -12,7 +12,10 @@ DataParallel's cross-node bytes over >= 10 epochs with accuracy within 1 point.
 
 ``--slow-link LATENCY_US:BANDWIDTH_MBPS`` adds a simulated slower link (heatlike.engine.links) to
 the cross-node traffic of both (DataParallel's all-reduces count as cross-node), to show the
-wall-time effect; the output says when it is on.
+wall-time effect; the output says when it is on. Measured links are ``python -m heatlike.bench
+cluster``'s (a virtual cluster, interface counters); the simulation remains for machines where
+that cannot run (no root) and for a per-message latency, which the cluster's rate-limited links
+do not add.
 """
 
 from __future__ import annotations
