@@ -363,11 +363,10 @@ class GradientSync:
             for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
                 if flag <= 0:
                     continue
-                if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
-                    pass  # the gradient already lives in the bucket
-                elif self.grad_as_bucket_view and p.is_contiguous():
+                in_bucket = p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+                if not in_bucket and self.grad_as_bucket_view and p.is_contiguous():
                     p.grad = view
-                else:
+                elif not in_bucket:
                     if p.grad is None:
                         p.grad = torch.empty_like(p)
                     p.grad.copy_(view)

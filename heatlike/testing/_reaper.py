@@ -14,6 +14,7 @@ killed with SIGKILL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -63,7 +64,7 @@ def sweep(tag: str, rounds: int = 5) -> int:
                 os.kill(p, signal.SIGKILL)
                 killed.add(p)
             except OSError:
-                pass  # it ended between the scan and the kill
+                continue  # it ended between the scan and the kill
         time.sleep(0.05)
     return len(killed)
 
@@ -75,11 +76,9 @@ def _watch(runner: int, tag: str) -> None:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, stop)
     started = _start_time(runner)
-    try:
+    with contextlib.suppress(SystemExit):  # a signal ends the wait: sweep now
         while started is not None and _start_time(runner) == started:
             time.sleep(0.5)
-    except SystemExit:
-        pass  # a signal ended the wait: sweep now
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
     sweep(tag)
