@@ -22,6 +22,7 @@ from mpi4py import MPI
 from torch import nn
 
 import heatlike as hl
+from heatlike.core.topology import get_topology
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
 from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, mlp, train_digits
@@ -70,10 +71,12 @@ def main(argv: list[str] | None = None) -> float:
     comm = hl.MPI_WORLD
     configure_threads()
     log = hl.get_logger("digits")
+    nodes = get_topology(comm).num_nodes
     if args.algorithm:
+        log.info("%d ranks on %d node(s) x batch %d, %s: %s, %d epochs", comm.size, nodes,
+                 args.batch_size, args.algorithm, ALGORITHMS[args.algorithm][1], args.epochs)
         result = train_digits(args.algorithm, comm, epochs=args.epochs,
                               batch_size=args.batch_size, lr=args.lr, seed=args.seed)
-        log.info("%s: %s", args.algorithm, ALGORITHMS[args.algorithm][1])
         if comm.rank == 0:
             print(f"test accuracy: {result.accuracy:.4f}", flush=True)
         return result.accuracy
@@ -89,8 +92,9 @@ def main(argv: list[str] | None = None) -> float:
                         progress=args.progress)
     loss_fn = nn.CrossEntropyLoss()
     mode = "blocking" if args.blocking else "non-blocking"
-    log.info("%d ranks x batch %d = global batch %d, %s %s, %d epochs", comm.size,
-             args.batch_size, comm.size * args.batch_size, mode, args.optimizer, args.epochs)
+    log.info("%d ranks on %d node(s) x batch %d = global batch %d, %s %s, %d epochs", comm.size,
+             nodes, args.batch_size, comm.size * args.batch_size, mode, args.optimizer,
+             args.epochs)
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(args.epochs):

@@ -207,6 +207,29 @@ def test_daso_script_trains_across_emulated_nodes(tmp_path):
     assert _accuracy(out) >= 0.85, out
 
 
+def _requeue_with_usr1_at_checkpoint(cwd: Path, env: dict[str, str],
+                                     checkpoint: Path) -> tuple[int, str]:
+    """Run requeue.sbatch; SIGUSR1 to it (SLURM's --signal=B:USR1) as soon as ``checkpoint``
+    exists; its exit status and output. Fails if it ended before its first checkpoint."""
+    proc = subprocess.Popen(["bash", str(SLURM / "requeue.sbatch")], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        signalled = checkpoint.exists() and proc.poll() is None
+        if signalled:
+            proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert signalled, "no signal: the run ended before its first checkpoint:\n" + out
+    return proc.returncode, out
+
+
 def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     """SIGUSR1 to the batch shell (SLURM's --signal=B:USR1) once a checkpoint exists: the trap
     calls `scontrol requeue <job id>` (a stub here) and stops the step; the same command run again
@@ -221,22 +244,8 @@ def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     env["PATH"] = f"{stub_dir}{os.pathsep}{env['PATH']}"
     checkpoint = tmp_path / "checkpoints" / "resume-4242.ckpt"
 
-    proc = subprocess.Popen(["bash", str(SLURM / "requeue.sbatch")], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if checkpoint.exists():
-            proc.send_signal(signal.SIGUSR1)
-        out, _ = proc.communicate(timeout=60)
-        assert checkpoint.exists(), "no checkpoint appeared:\n" + out
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out
+    returncode, out = _requeue_with_usr1_at_checkpoint(tmp_path, env, checkpoint)
+    assert returncode == 0, out
     assert calls.read_text() == "requeue 4242\n", out
     assert "job 4242: requeued" in out and "starting afresh" in out, out
     assert "final parameters sha256" not in out, "the step was not stopped:\n" + out
@@ -247,6 +256,19 @@ def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     assert resumed and int(resumed.group(1)) >= 5, out
     assert "epoch 4/4 done" in out and "final parameters sha256" in out, out
     assert calls.read_text() == "requeue 4242\n", "requeued again without a signal"
+
+
+def test_requeue_script_trains_on_after_max_restarts(tmp_path):
+    """A SIGUSR1 after MAX_RESTARTS requeues is declined and the step trains to its end: the
+    trap returns 0, so that set -e does not end the script with the interrupted wait's
+    status (138) while the step still runs."""
+    env = _env(EPOCHS="4", SAVE_EVERY="5", SLURM_JOB_ID="4243", SLURM_RESTART_COUNT="1",
+               MAX_RESTARTS="1")
+    checkpoint = tmp_path / "checkpoints" / "resume-4243.ckpt"
+    returncode, out = _requeue_with_usr1_at_checkpoint(tmp_path, env, checkpoint)
+    assert returncode == 0, out
+    assert "not requeueing: MAX_RESTARTS=1 reached" in out, out
+    assert "epoch 4/4 done" in out and "final parameters sha256" in out, out
 
 
 def test_bench_sweep_writes_one_json_per_node_count(tmp_path):

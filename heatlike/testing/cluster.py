@@ -7,6 +7,8 @@ that the inter-node traffic really crosses.
     python -m heatlike.testing.cluster traffic | status | check | down [--all]
     python -m heatlike.testing.cluster rate 10gbit
     python -m heatlike.testing.cluster link node2 down|up
+    python -m heatlike.testing.cluster slurm up|status|env|down
+    python -m heatlike.testing.cluster slurm sbatch -- [SBATCH OPTIONS] SCRIPT
 
 What a node is. Node *i* (``node1``, ``node2``, ...) is a Linux network namespace
 (``<name>-n<i>``) with one interface, ``eth0``, at ``10.78.K.i/24``: one end of a veth pair whose
@@ -45,7 +47,8 @@ Teardown. SIGTERM, SIGINT or SIGHUP to ``run``, the end of ``--timeout`` or the 
 parent ends ``mpiexec`` and everything it started on every node; every process that still carries
 the job's tag (``HEATLIKE_CLUSTER_JOB`` in its environment) is then killed. ``down`` kills every
 process left in the nodes' namespaces and removes the namespaces, links, bridge, mounts and
-files; it also finds the pieces of a cluster whose state was lost. ``up`` and ``down`` are
+files (and stops a SLURM started on it); it also finds the pieces of a cluster whose state
+was lost. ``up`` and ``down`` are
 idempotent.
 
 Requirements: Linux, root, ``ip`` and ``tc`` (iproute2), ``unshare`` and ``nsenter``
@@ -53,6 +56,10 @@ Requirements: Linux, root, ``ip`` and ``tc`` (iproute2), ``unshare`` and ``nsent
 :func:`unavailable_reason` says what is missing. Exit statuses: 0 success, the job's own status
 when it failed, 2 when the cluster cannot be used, 3 when ``--require-traffic`` found no
 traffic, 124 after ``--timeout``, 128 + N when stopped by signal N.
+
+SLURM. ``slurm up`` runs a real SLURM on the nodes (controller on the machine, one ``slurmd`` per
+node), so that batch scripts go through ``sbatch`` and ``srun`` as on a cluster: see
+:mod:`heatlike.testing.slurm`.
 """
 
 from __future__ import annotations
@@ -586,6 +593,11 @@ class VirtualCluster:
                  _cmd("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
         netns = [ns for ns in netns if re.fullmatch(f"{name}-n[0-9]+", ns)]
         pids = sorted({p for ns in netns for p in _netns_pids(ns)})
+        for pidfile in (self.state_dir / "slurm").glob("*.pid"):  # munged, slurmctld
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(pidfile.read_text().split()[0])
+                if _running(pid):
+                    pids.append(pid)
         if pids:
             _kill_pids(pids)
         for ns in netns:
@@ -850,11 +862,19 @@ def main(argv: list[str] | None = None) -> int:
     link = sub.add_parser("link", help="take a node's link down or up")
     link.add_argument("node")
     link.add_argument("state", choices=["up", "down"])
+    slurm = sub.add_parser("slurm", help="a real SLURM on the nodes (heatlike.testing.slurm)")
+    slurm.add_argument("verb", choices=["up", "down", "status", "env", "sbatch"],
+                       help="up: start it; env: the shell lines that point sbatch, srun and "
+                            "sinfo at it; sbatch -- [OPTIONS] SCRIPT: submit, wait, report "
+                            "the job and its bytes between the nodes")
+    slurm.add_argument("--cpus", type=int, default=16, help="CPUs of every node (default 16)")
+    slurm.add_argument("--timeout", type=float, default=600,
+                       help="sbatch: cancel the job after S seconds (default 600)")
     down = sub.add_parser("down", help="remove the cluster")
     down.add_argument("--all", action="store_true", help="every heatlike cluster on this machine")
     opts = p.parse_args(argv)
-    if cmd and opts.action != "run":
-        p.error("`-- CMD` goes with run only")
+    if cmd and opts.action not in ("run", "slurm"):
+        p.error("`-- CMD` goes with run and slurm sbatch only")
     prefix = f"heatlike cluster {opts.name}:"
     try:
         if opts.action == "check":
@@ -887,10 +907,38 @@ def main(argv: list[str] | None = None) -> int:
         if opts.action == "link":
             c.set_link(opts.node, opts.state == "up")
             return 0
+        if opts.action == "slurm":
+            return _slurm(c, opts, cmd, prefix)
         return _run(c, opts, cmd, prefix)
     except (ClusterError, ValueError) as e:
         print(f"{prefix} {e}", file=sys.stderr)
         return 2
+
+
+def _slurm(c: VirtualCluster, opts: argparse.Namespace, cmd: list[str], prefix: str) -> int:
+    from .slurm import Slurm
+
+    s = Slurm(c, cpus=opts.cpus)
+    if opts.verb == "up":
+        s.up()
+        print(f"{prefix} {s.status()}\n{prefix} for sbatch, srun and sinfo: "
+              f"export SLURM_CONF={s.conf}")
+    elif opts.verb == "down":
+        s.down()
+        print(f"{prefix} SLURM stopped")
+    elif opts.verb == "status":
+        print(s.status())
+    elif opts.verb == "env":
+        for key, value in s.environment({}).items():
+            print(f"export {key}={shlex.quote(value)}")
+    else:
+        if not cmd:
+            raise ValueError("slurm sbatch: give `-- [SBATCH OPTIONS] SCRIPT`")
+        result = s.sbatch(cmd[-1], cmd[:-1], timeout=opts.timeout)
+        print(result.output, end="")
+        print(f"{prefix} {result.report()}", file=sys.stderr)
+        return 0 if result.state == "COMPLETED" else (result.exit_code or 1)
+    return 0
 
 
 def _run(c: VirtualCluster, opts: argparse.Namespace, cmd: list[str], prefix: str) -> int:
