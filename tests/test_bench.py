@@ -61,8 +61,20 @@ def test_primitives_by_hand():
     # shards all-reduced across the 4 nodes at once (a ring of n at the node's link) + local
     # all-gather of the n/4 shards
     lay = cm.Layout(16, 4)
-    expected = 2 * (3 * (2e-6 + 2e6 * 1e-10)) + 2 * 3 * (5e-6 + 2e6 * 1e-9)
+    expected = 2 * (3 * (2e-6 + 2e6 * 1e-10)) + 2 * 2 * 5e-6 + 2 * 3 / 4 * n * 1e-9
     assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(expected)
+    # recursive halving + doubling: 2 ceil(log2 p) alpha + 2 (p-1)/p n beta
+    assert cm.halving_allreduce(n, 8, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 7 / 8 * n * 1e-9)
+    assert cm.halving_allreduce(n, 6, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 5 / 6 * n * 1e-9)
+    assert cm.halving_allreduce(n, 1, CROSS) == 0.0
+    # the library's all-reduce on full nodes: inside the nodes, then between them; otherwise
+    # over all ranks at the flat link's pace
+    assert cm.library_allreduce(n, lay, LINKS) == pytest.approx(
+        cm.halving_allreduce(n, 4, LOCAL) + cm.halving_allreduce(n, 4, CROSS))
+    assert cm.library_allreduce(n, cm.Layout(6, 4), LINKS) == pytest.approx(
+        cm.halving_allreduce(n, 6, CROSS))
+    assert cm.library_allreduce(n, cm.Layout(4, 4), LINKS) == pytest.approx(
+        cm.halving_allreduce(n, 4, LOCAL))
     assert cm.neighbor_exchange(1000, 2, LOCAL) == pytest.approx(2 * (2e-6 + 1000 * 1e-10))
 
 
@@ -72,15 +84,16 @@ def test_algorithm_models_by_hand():
     shapes = cm.Shapes.of(net)
     m = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
     assert shapes.total == m == 17226
-    lay = cm.Layout(8, 4)  # 2 nodes: flat collectives run at the cross-node link's pace
-    ring = lambda nbytes: 2 * 7 * (5e-6 + nbytes / 8 * 1e-9)  # noqa: E731
+    lay = cm.Layout(8, 4)  # 2 full nodes: all-reduces inside the nodes, then between them
+    ring = lambda nbytes: (2 * 2 * 2e-6 + 2 * 3 / 4 * nbytes * 1e-10  # noqa: E731
+                           + 2 * 1 * 5e-6 + 2 * 1 / 2 * nbytes * 1e-9)
     gather = lambda k: 7 * (5e-6 + k * 1e-9)  # noqa: E731
     assert cm.comm_time("allreduce", shapes, lay, LINKS) == pytest.approx(ring(4 * m))
     # bf16 on 2 full nodes: node-aware, i.e. hierarchical of 2m; on one node a ring of 2m
     assert cm.comm_time("bf16", shapes, lay, LINKS) == pytest.approx(
-        2 * (3 * (2e-6 + 2 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 2 * m / 2 * 1e-9))
+        2 * (3 * (2e-6 + 2 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 2 * m * 1e-9)
     assert cm.comm_time("bf16", shapes, cm.Layout(4, 4), LINKS) == pytest.approx(
-        2 * 3 * (2e-6 + 2 * m / 4 * 1e-10))
+        2 * 2 * 2e-6 + 2 * 3 / 4 * 2 * m * 1e-10)
     # PowerSGD rank 2: all-reduce of 4 (r sum rows + 1-D) then of 4 r sum columns
     first = 4 * (2 * (128 + 64 + 10) + (128 + 64 + 10))
     second = 4 * 2 * (64 + 128 + 64)
@@ -92,12 +105,12 @@ def test_algorithm_models_by_hand():
     assert cm.comm_time("sign", shapes, lay, LINKS) == pytest.approx(gather(math.ceil(m / 8)))
     assert cm.comm_time("decentralized", shapes, lay, LINKS) == pytest.approx(
         2 * (5e-6 + 4 * m * 1e-9))
-    hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * (5e-6 + 4 * m / 2 * 1e-9)
+    hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 4 * m * 1e-9
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
     # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
     # 2 nodes and a node-local broadcast of 4m
-    node = 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
-    sync = 2 * 1 * (5e-6 + 2 * m / 2 * 1e-9) + 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
+    node = 2 * 2 * 2e-6 + 2 * 3 / 4 * 4 * m * 1e-10
+    sync = 2 * 1 * 5e-6 + 2 * 1 / 2 * 2 * m * 1e-9 + 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
     assert cm.comm_time("daso", shapes, lay, LINKS) == pytest.approx(node + sync / 4)
     # DistOpt partial: the engine plans 4 partitions of this MLP at 4096 elements
     assert shapes.partitions(4096) == 4
@@ -106,7 +119,7 @@ def test_algorithm_models_by_hand():
     pred = cm.predict(["allreduce"], shapes, 0.01, LINKS, ranks=(8, 64), ranks_per_node=4)
     assert pred["allreduce"][8] == pytest.approx(0.01 + ring(4 * m))
     assert pred["allreduce"][64] == pytest.approx(
-        0.01 + cm.ring_allreduce(4 * m, 64, CROSS))
+        0.01 + cm.halving_allreduce(4 * m, 4, LOCAL) + cm.halving_allreduce(4 * m, 16, CROSS))
     lines = cm.prediction_table(pred)
     assert len(lines) == 2 and "allreduce" in lines[1]
 
@@ -434,6 +447,35 @@ def test_cluster_report_times_to_accuracy_against_blocking_data_parallel(tmp_pat
     assert all(os.path.getsize(p) > 1000 for p in paths)
 
 
+def test_cluster_report_puts_the_cost_model_next_to_the_measured_step():
+    """model = the job's compute + codec time + the modelled communication on the measured
+    links; for the all-reduce of m float32 parameters on 2 nodes x 2 ranks that is the library's
+    (recursive halving inside the nodes, then between them)."""
+    from heatlike.bench import cluster as bc
+
+    links = {"local": {"alpha": 1e-5, "beta": 1e-9},
+             "cross": {"alpha": 1e-4, "beta": 8e-9, "one_flow_bandwidth": 6e7}}
+    shapes = [[100, 50], [100]]  # 5100 parameters
+    row = {**_job_row("allreduce", [[1, 1.0, 0.9]], 0.01, 1.0), "shapes": shapes,
+           "links": links, "compute_s": 2e-3, "codec_s": 1e-4}
+    other = {**row, "algorithm": "not-modelled"}
+    bare = _job_row("allreduce", [[1, 1.0, 0.9]], 0.01, 1.0)  # no links: no model
+    rows = bc.with_model([row, other, bare])
+    library = (2 * 1 * 1e-5 + 2 * 1 / 2 * 4 * 5100 * 1e-9      # inside each node
+               + 2 * 1 * 1e-4 + 2 * 1 / 2 * 4 * 5100 * 8e-9)  # between the nodes
+    assert rows[0]["model_s"] == pytest.approx(2e-3 + 1e-4 + library)
+    assert rows[0]["model_ratio"] == pytest.approx(0.01 / rows[0]["model_s"])
+    assert rows[1]["model_s"] is None and rows[2]["model_s"] is None
+    table = bc._table(bc._with_time_to_accuracy(rows))
+    assert f"| {rows[0]['model_s'] * 1e3:.1f} | {rows[0]['model_ratio']:.2f} |" in table
+    lines = bc.projection(rows, ranks_per_node=4)
+    assert lines[0].startswith("# cost model at 1gbit, cnn") and "4096" in lines[1]
+    at_8 = float(lines[2].split()[1])  # 8 ranks on 2 nodes of 4
+    expected = 2.1e-3 + (2 * 2 * 1e-5 + 2 * 3 / 4 * 4 * 5100 * 1e-9
+                         + 2 * 1 * 1e-4 + 2 * 1 / 2 * 4 * 5100 * 8e-9)
+    assert at_8 == pytest.approx(expected * 1e3, abs=0.05)
+
+
 def test_cluster_suite_refuses_unknown_names():
     from heatlike.bench import cluster as bc
 
@@ -476,6 +518,11 @@ def test_cluster_suite_measures_the_links_of_a_virtual_cluster(tmp_path):
         assert r["link_bytes"] >= MIN_BYTES and r["steps"] > 5 and r["step_s"] > 0
         assert 0.3 < r["accuracy"] <= 1.0 and len(r["curve"]) == 1
     assert rows[1]["link_bytes"] < 0.6 * rows[0]["link_bytes"], rows
+    for r in rows:  # the cost model's inputs, measured on the nodes
+        assert r["links"]["cross"]["beta"] == pytest.approx(8 / 1e9)  # 1 / the link's rate
+        assert r["links"]["cross"]["alpha"] > 0 and r["links"]["local"]["beta"] > 0
+        assert r["compute_s"] > 0 and r["codec_s"] >= 0 and r["model_s"] > r["compute_s"]
+    assert "# cost model at 1gbit, cnn" in stdout
     assert "| 1gbit | cnn | bf16 |" in stdout
     assert (tmp_path / "plots" / "cluster_time_to_accuracy.png").exists()
 

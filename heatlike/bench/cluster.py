@@ -21,6 +21,15 @@ Per job it reports
   reached blocking DataParallel's final accuracy less one point, and its ratio to blocking
   DataParallel's own time to it ("never" when not reached within the epochs).
 
+* **model**: the cost model's step time (:mod:`heatlike.bench.costmodel`) fitted to these nodes:
+  the job's own compute time (a local training step of the same model and batch, no
+  communication, all ranks at once) plus its codec time (encode and decode per step, the
+  engine's codec clock) plus the modelled communication on the links measured before the jobs
+  of each rate (``--job links``, :func:`measure_cluster_links`: alpha and beta inside a node;
+  between the nodes alpha, and beta of a node's link with all its ranks sending at once), and
+  ``step / model``. The same inputs give the projection to 8 ... 4096 ranks
+  printed after the table.
+
 Figures (``--plot DIR``): ``cluster_time_to_accuracy.png``, ``cluster_step_time.png`` and
 ``cluster_link_bytes.png``: per algorithm one bar per link rate, one panel per model.
 
@@ -82,20 +91,72 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     from mpi4py import MPI
 
     from ..core.communication import MPICommunication
+    from ..engine.exchange import CODEC_CLOCK
     from ..recipes import train_task
     from ..utils import configure_threads
 
     configure_threads()
     comm = MPICommunication(MPI.COMM_WORLD)
     task = _task(model)
+    codec_before = CODEC_CLOCK.seconds
     result = train_task(algorithm, comm, task, epochs=epochs, seed=0, curve=True)
+    codec = (CODEC_CLOCK.seconds - codec_before) / max(1, len(result.step_times))
     steps = result.step_times[min(3, len(result.step_times) - 1):]  # the first build buckets
     step = comm.handle.allreduce(statistics.median(steps), op=MPI.MAX)
-    parameters = sum(p.numel() for p in task.build(0).parameters())
+    net = task.build(0)
+    parameters = sum(p.numel() for p in net.parameters())
     return {"algorithm": algorithm, "model": model, "parameters": parameters,
+            "shapes": [list(p.shape) for p in net.parameters()],
             "steps": len(result.step_times), "step_s": step, "accuracy": result.accuracy,
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
+            "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
+            "compute_s": _compute_time(net, task.batch_size, comm.handle),
             "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve]}
+
+
+def _compute_time(net, batch: int, comm, steps: int = 12) -> float:
+    """:func:`heatlike.bench.costmodel.local_step_time` of ``net`` on ``batch`` random
+    digits-shaped samples."""
+    import torch
+
+    from .costmodel import local_step_time
+
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x, y = torch.randn(batch, 64, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return local_step_time(net, x, y, steps, comm)
+
+
+def measure_cluster_links(rate_bytes_per_s: float | None = None) -> dict:
+    """Collective: the cost model's links on these nodes. Node-local: alpha and beta of the ring
+    ``Sendrecv`` inside a node (:func:`heatlike.bench.comm.measure_links`). Cross-node: alpha
+    of that ``Sendrecv`` between the nodes' first ranks, and beta of a node's link: every rank
+    exchanges 16 MiB with its counterpart on the other node(s) at once, as the node-aware
+    collectives do, and the node's egress carries its ranks' bytes together
+    (``beta = time / (ranks per node x bytes)``). Recorded beside it: the link's configured
+    rate (``rate_bytes_per_s``, where known) and one flow's bandwidth."""
+    from mpi4py import MPI
+
+    from ..core.communication import MPI_WORLD
+    from ..core.topology import Topology
+    from .comm import BANDWIDTH_BYTES, _ring_shift_time, measure_links
+
+    found = measure_links(quick=False)
+    local, cross = found.get("local"), found.get("cross")
+    out = {}
+    if local is not None:
+        out["local"] = {"alpha": local.alpha, "beta": local.beta}
+    if cross is None:
+        return out
+    topo = Topology(MPI_WORLD)
+    try:
+        concurrent = _ring_shift_time(topo.cross_comm.handle, BANDWIDTH_BYTES, 3, 5,
+                                      MPI.COMM_WORLD)
+        per_node = max(topo.local_sizes)
+    finally:
+        topo.free()
+    out["cross"] = {"alpha": cross.alpha, "beta": concurrent / (per_node * BANDWIDTH_BYTES),
+                    "one_flow_bandwidth": cross.bandwidth, "rate": rate_bytes_per_s}
+    return out
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -119,8 +180,9 @@ def run(argv: list[str] | None = None) -> int:
         rows = _on_a_virtual_cluster(algorithms, models, rates, epochs, opts)
     if MPI.COMM_WORLD.Get_rank() != 0:
         return 0
-    rows = _with_time_to_accuracy(rows)
+    rows = with_model(_with_time_to_accuracy(rows))
     print(_table(rows), flush=True)
+    print("\n".join(projection(rows)), flush=True)
     if opts.json:
         _write_json(rows, opts.json)
         print(f"# wrote {opts.json}", flush=True)
@@ -183,12 +245,15 @@ def _on_a_virtual_cluster(algorithms, models, rates, epochs, opts) -> list[dict]
         with tempfile.TemporaryDirectory(prefix="heatlike-bench-cluster-") as tmp:
             for rate in rates:
                 cluster.set_rate(rate)
+                links = _launch_links(cluster, rate, Path(tmp) / f"{rate}-links.json",
+                                      opts.timeout)
                 for model in models:
                     for algorithm in algorithms:
                         out = Path(tmp) / f"{rate}-{model}-{algorithm}.json"
                         rows.append(_launch(cluster, algorithm, model, epochs, rate, out,
                                             opts.timeout))
                         r = rows[-1]
+                        r["links"] = links
                         print(f"# {rate} {model} {algorithm}: step {r['step_s'] * 1e3:.1f} ms, "
                               f"{r['link_bytes'] / 1e6:.1f} MB between the nodes, accuracy "
                               f"{r['accuracy']:.4f}", flush=True)
@@ -197,6 +262,12 @@ def _on_a_virtual_cluster(algorithms, models, rates, epochs, opts) -> list[dict]
     finally:
         cluster.down()
     return rows
+
+
+def _launch_links(cluster, rate: str, out: Path, timeout: float) -> dict:
+    from ..testing.cluster import parse_rate
+
+    return _launch(cluster, "links", str(parse_rate(rate)), 0, rate, out, timeout)
 
 
 def _launch(cluster, algorithm: str, model: str, epochs: int, rate: str, out: Path,
@@ -214,6 +285,8 @@ def _launch(cluster, algorithm: str, model: str, epochs: int, rate: str, out: Pa
         raise SystemExit(f"bench cluster: the job {algorithm} / {model} at {rate} failed "
                          f"({status}):\n{result.report()}\n{tail}")
     row = json.loads(out.read_text())
+    if algorithm == "links":
+        return row
     row.update(rate=rate, nodes="+".join(map(str, RANKS_PER_NODE)), seconds=result.seconds,
                link_bytes=result.between_nodes, sent=result.sent, counted="link counters")
     return row
@@ -226,21 +299,27 @@ def _in_this_job(algorithms, models, epochs) -> list[dict]:
     from ._common import detect_layout, topology_label
 
     detect_layout(MPI.COMM_WORLD)
+    links = measure_cluster_links(None)
     rows = []
     for model in models:
         for algorithm in algorithms:
             row = run_job(algorithm, model, epochs)
             row.update(rate="as launched", nodes=topology_label(), counted="engine payload",
-                       link_bytes=row["payload_bytes_per_step"] * row["steps"])
+                       link_bytes=row["payload_bytes_per_step"] * row["steps"], links=links)
             rows.append(row)
     return rows
 
 
 def job_main(algorithm: str, model: str, epochs: int, out: str) -> int:
-    """The job the driver launches on the nodes: rank 0 writes :func:`run_job`'s result."""
+    """The job the driver launches on the nodes: rank 0 writes :func:`run_job`'s result (or,
+    for the algorithm ``links`` and a rate in bytes per second as its model,
+    :func:`measure_cluster_links`')."""
     from mpi4py import MPI
 
-    row = run_job(algorithm, model, epochs)
+    if algorithm == "links":
+        row = measure_cluster_links(float(model) or None)
+    else:
+        row = run_job(algorithm, model, epochs)
     if MPI.COMM_WORLD.Get_rank() == 0:
         Path(out).write_text(json.dumps(row))
     return 0
@@ -271,10 +350,66 @@ def _with_time_to_accuracy(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def with_model(rows: list[dict]) -> list[dict]:
+    """Add the cost model's step time (:mod:`heatlike.bench.costmodel`) to every row that has
+    links: the job's measured compute and codec time per step plus the modelled communication
+    on the measured links, at the job's layout; and the ratio measured / model."""
+    from .costmodel import Layout, Shapes, comm_time
+
+    for row in rows:
+        row["model_s"] = row["model_ratio"] = None
+        if not _modelled(row):
+            continue
+        layout = Layout(sum(RANKS_PER_NODE), max(RANKS_PER_NODE))
+        row["model_s"] = (row["compute_s"] + row["codec_s"] + comm_time(
+            row["algorithm"], Shapes.of(row["shapes"]), layout, _links_of(row)))
+        row["model_ratio"] = row["step_s"] / row["model_s"]
+    return rows
+
+
+def projection(rows: list[dict], ranks_per_node: int = 4) -> list[str]:
+    """Lines: the predicted step time (ms) of every algorithm at 8 to 4096 ranks, per model and
+    link rate, from the links and compute times measured here."""
+    from .costmodel import RANKS, Layout, Shapes, comm_time
+
+    lines = []
+    for (rate, model) in dict.fromkeys((r["rate"], r["model"]) for r in rows):
+        group = [r for r in rows if (r["rate"], r["model"]) == (rate, model) and _modelled(r)]
+        if not group:
+            continue
+        chosen = _links_of(group[0])
+        lines.append(f"# cost model at {rate}, {model}, {ranks_per_node} ranks per node: "
+                     "predicted step ms")
+        lines.append(f"{'algorithm':>22} " + " ".join(f"{p:>7d}" for p in RANKS))
+        for r in group:
+            shapes, base = Shapes.of(r["shapes"]), r["compute_s"] + r["codec_s"]
+            steps = [base + comm_time(r["algorithm"], shapes, Layout(p, ranks_per_node), chosen)
+                     for p in RANKS]
+            lines.append(f"{r['algorithm']:>22} " + " ".join(f"{t * 1e3:7.1f}" for t in steps))
+    return lines
+
+
+def _modelled(row: dict) -> bool:
+    from .costmodel import MODELS as MODELLED
+
+    return "cross" in (row.get("links") or {}) and row["algorithm"] in MODELLED \
+        and "compute_s" in row
+
+
+def _links_of(row: dict):
+    """The cost model's :class:`~heatlike.bench.costmodel.Links` from a row's measured links."""
+    from .costmodel import Link, Links
+
+    links = row["links"]
+    local = links.get("local", links["cross"])
+    return Links(Link(local["alpha"], local["beta"]),
+                 Link(links["cross"]["alpha"], links["cross"]["beta"]))
+
+
 def _table(rows: list[dict]) -> str:
     lines = ["| rate | model | algorithm | step ms | step / DP | link MB | MB / step | "
-             "accuracy | time to DP's accuracy (s) | / DP |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "accuracy | time to DP's accuracy (s) | / DP | model ms | step / model |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         base = next((r for r in rows if r["algorithm"] == "allreduce" and
                      r["rate"] == row["rate"] and r["model"] == row["model"]), None)
@@ -282,10 +417,12 @@ def _table(rows: list[dict]) -> str:
         tta = "never" if row.get("target") is not None and row["tta_s"] is None else \
             (f"{row['tta_s']:.2f}" if row.get("tta_s") is not None else "-")
         tta_ratio = f"{row['tta_ratio']:.2f}" if row.get("tta_ratio") is not None else "-"
+        model = f"{row['model_s'] * 1e3:.1f}" if row.get("model_s") else "-"
+        fit = f"{row['model_ratio']:.2f}" if row.get("model_ratio") else "-"
         lines.append(f"| {row['rate']} | {row['model']} | {row['algorithm']} | "
                      f"{row['step_s'] * 1e3:.1f} | {ratio} | {row['link_bytes'] / 1e6:.1f} | "
                      f"{row['link_bytes'] / 1e6 / max(1, row['steps']):.3f} | "
-                     f"{row['accuracy']:.4f} | {tta} | {tta_ratio} |")
+                     f"{row['accuracy']:.4f} | {tta} | {tta_ratio} | {model} | {fit} |")
     counted = {row["counted"] for row in rows}
     lines.append(f"\nbytes: {', '.join(sorted(counted))}; {rows[0]['nodes'] if rows else ''} "
                  f"ranks per node; {time.strftime('%Y-%m-%d %H:%M')}")

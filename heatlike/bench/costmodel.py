@@ -17,42 +17,48 @@ suite's ring ``Sendrecv`` measurement (:func:`heatlike.bench.comm.measure_links`
 the cross-node link is taken equal to the node-local one).
 
 Layout. P ranks, L ranks per node (``--ranks-per-node``), N = ceil(P / L) nodes. A collective over
-all ranks whose ring crosses nodes runs at the pace of its slowest link: the cross-node one when
-N > 1.
+all ranks that is not node-aware runs at the pace of its slowest link: the cross-node one when
+N > 1. The cross-node beta is that of a node's link (all its ranks' flows together): ``bench
+cluster`` measures it so on the virtual cluster.
 
 Primitives, for n bytes per rank on p ranks over link (alpha, beta):
 
-* ring all-reduce: ``2 (p - 1) (alpha + n/p beta)`` (reduce-scatter, then all-gather);
+* all-reduce as MPI libraries run it for large buffers (recursive halving, then doubling):
+  ``2 ceil(log2 p) alpha + 2 (p - 1)/p n beta``; on full nodes of L ranks (N nodes) first inside
+  the nodes, then between them with the L ranks' shards sharing the node's link:
+  ``halving(n, L, local) + halving(n, N, cross)`` (on the virtual cluster MPICH's all-reduce put
+  exactly that on each node's link); the ring, ``2 (p - 1) (alpha + n/p beta)``, is kept as a
+  primitive;
 * all-gather of k bytes from every rank: ``(p - 1) (alpha + k beta)``;
 * reduce to one rank and broadcast from one rank: ``2 (p - 1) (alpha + n/p beta)`` each
   (reduce-scatter + gather; scatter + all-gather);
 * hierarchical all-reduce (heatlike's ``node_aware_sum``): node-local reduce-scatter
   ``(L - 1) (alpha + n/L beta)`` + the L shards all-reduced across the N nodes at once, sharing
-  the node's link: ``2 (N - 1) (alpha + n/N beta)`` + node-local all-gather of the n/L shards;
+  the node's link: ``halving(n, N, cross)`` + node-local all-gather of the n/L shards;
 * neighbor exchange of n bytes with d neighbors: ``d (alpha + n beta)``.
 
 Per algorithm, with m parameters (float32, 4m bytes), matrices ``a_i x b_i`` (tensors of more
 than one dimension, flattened after the first), and ``m_1`` elements in 1-D tensors:
 
 =====================================  ==================================================
-all-reduce presets (DataParallel,      ring all-reduce of 4m
+all-reduce presets (DataParallel,      all-reduce of 4m
 centralized SGD/Adam, clipping,
 DistOpt fused)
-bf16 cast, FP16Optimizer, DistOpt      ring all-reduce of 2m (bf16 cast on several equal
+bf16 cast, FP16Optimizer, DistOpt      all-reduce of 2m (bf16 cast on several equal
 half                                   nodes: hierarchical all-reduce of 2m)
 hierarchical                           hierarchical all-reduce of 4m
-PowerSGD rank r                        ring all-reduce of ``4 (r sum a_i + m_1)`` then of
+PowerSGD rank r                        all-reduce of ``4 (r sum a_i + m_1)`` then of
                                        ``4 r sum b_i``
 top-k ratio q (also DistOpt sparse)    all-gather of ``8 ceil(q m)`` (index and value)
-random-k ratio q, shared               ring all-reduce of ``4 ceil(q m)``
+random-k ratio q, shared               all-reduce of ``4 ceil(q m)``
 sparsified SGD (blocks of 1024)        all-gather of ``8 sum min(1024, m_i)``; shared
-                                       blocks: ring all-reduce of ``4 sum min(1024, m_i)``
+                                       blocks: all-reduce of ``4 sum min(1024, m_i)``
 sign / scaled sign                     all-gather of ``ceil(m / 8)`` bytes (one bit each)
 decentralized (ring gossip)            neighbor exchange of 4m with 2 neighbors
-DistOpt partial                        ring all-reduce of one partition, ``4m / partitions``
+DistOpt partial                        all-reduce of one partition, ``4m / partitions``
                                        on average (partitions of the engine's bucket plan)
-DASO (cycling phase: global sync      node-local ring all-reduce of 4m every step, and
-every k = 4 steps)                     every k steps a ring all-reduce of 2m (bfloat16)
+DASO (cycling phase: global sync      node-local all-reduce of 4m every step, and
+every k = 4 steps)                     every k steps an all-reduce of 2m (bfloat16)
                                        among the N nodes plus a node-local broadcast of 4m
 =====================================  ==================================================
 
@@ -72,9 +78,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Link", "Links", "Layout", "ring_allreduce", "allgather", "reduce", "bcast",
+__all__ = ["Link", "Links", "Layout", "ring_allreduce", "halving_allreduce",
+           "library_allreduce", "allgather", "reduce", "bcast",
            "hierarchical_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
-           "payload_bytes", "predict", "parse_links", "RANKS", "run"]
+           "payload_bytes", "predict", "parse_links", "RANKS", "run", "local_step_time"]
 
 #: the predicted world sizes
 RANKS = tuple(2 ** k for k in range(3, 13))  # 8 .. 4096
@@ -174,12 +181,35 @@ def bcast(nbytes: float, p: int, link: Link) -> float:
     return 2 * (p - 1) * (link.alpha + nbytes / p * link.beta) if p > 1 else 0.0
 
 
+def halving_allreduce(nbytes: float, p: int, link: Link) -> float:
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling (Rabenseifner;
+    what MPI libraries run for large buffers): ``2 ceil(log2 p) alpha + 2 (p - 1)/p n beta``."""
+    if p <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(p)) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
+
+
+def library_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
+    """The MPI library's all-reduce of n bytes over all ranks. On full nodes of several ranks,
+    with ranks placed in blocks, recursive halving exchanges inside the nodes first and then
+    between them, the L ranks of a node sending their shards at once over its link (on the
+    virtual cluster MPICH's all-reduce put exactly ``2 (N - 1)/N n`` per step on each node's
+    link): ``halving(n, L, local) + halving(n, N, cross)``, the cross part at the node link's
+    beta. Otherwise :func:`halving_allreduce` over all ranks at the pace of the flat link."""
+    local, nodes = layout.local, layout.nodes
+    if nodes > 1 and local > 1 and layout.ranks % layout.ranks_per_node == 0:
+        return (halving_allreduce(nbytes, local, links.local)
+                + halving_allreduce(nbytes, nodes, links.cross))
+    return halving_allreduce(nbytes, layout.ranks, layout.flat_link(links))
+
+
 def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
-    """Node-local reduce-scatter + the shards all-reduced across the nodes concurrently (their
-    bytes share the node's link: a ring all-reduce of n among N ranks) + node-local all-gather."""
+    """heatlike's node-aware sum: node-local reduce-scatter + the shards all-reduced across the
+    nodes concurrently (their bytes share the node's link: an all-reduce of n among N ranks)
+    + node-local all-gather."""
     local, nodes = layout.local, layout.nodes
     return (allgather(nbytes / local, local, links.local)  # the reduce-scatter: same terms
-            + ring_allreduce(nbytes, nodes, links.cross)
+            + halving_allreduce(nbytes, nodes, links.cross)
             + allgather(nbytes / local, local, links.local))
 
 
@@ -234,10 +264,10 @@ class Shapes:
 Model = Callable[[Shapes, Layout, Links], tuple[float, float]]
 
 
-def _ring(factor: float) -> Model:
+def _allreduce(factor: float) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = factor * s.total
-        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+        return library_allreduce(n, lay, links), n
     return model
 
 
@@ -247,20 +277,20 @@ def _hierarchical(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
 
 
 def _half_cast(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
-    """The bf16 cast: node-aware on several full nodes of more than one rank, else a ring."""
+    """The bf16 cast: node-aware on several full nodes of more than one rank, else the
+    library's all-reduce."""
     n = 2.0 * s.total
     if lay.nodes > 1 and lay.local > 1 and lay.ranks % lay.ranks_per_node == 0:
         return hierarchical_allreduce(n, lay, links), n
-    return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+    return library_allreduce(n, lay, links), n
 
 
 def _powersgd(rank: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         first = 4.0 * (rank * sum(a for a, _ in s.matrices) + s.vector_elements)
         second = 4.0 * rank * sum(b for _, b in s.matrices)
-        link = lay.flat_link(links)
-        return (ring_allreduce(first, lay.ranks, link)
-                + ring_allreduce(second, lay.ranks, link)), first + second
+        return (library_allreduce(first, lay, links)
+                + library_allreduce(second, lay, links)), first + second
     return model
 
 
@@ -271,10 +301,10 @@ def _gather(kbytes: Callable[[Shapes], float]) -> Model:
     return model
 
 
-def _ring_of(nbytes: Callable[[Shapes], float]) -> Model:
+def _allreduce_of(nbytes: Callable[[Shapes], float]) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = nbytes(s)
-        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+        return library_allreduce(n, lay, links), n
     return model
 
 
@@ -287,7 +317,7 @@ def _gossip(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
 def _partial(threshold: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = 4.0 * s.total / s.partitions(threshold)
-        return ring_allreduce(n, lay.ranks, lay.flat_link(links)), n
+        return library_allreduce(n, lay, links), n
     return model
 
 
@@ -295,8 +325,8 @@ def _daso(every: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = 4.0 * s.total
         local, nodes = lay.local, lay.nodes
-        node_grads = ring_allreduce(n, local, links.local)
-        sync = ring_allreduce(n / 2, nodes, links.cross) + bcast(n, local, links.local)
+        node_grads = halving_allreduce(n, local, links.local)
+        sync = halving_allreduce(n / 2, nodes, links.cross) + bcast(n, local, links.local)
         # per rank: every step its node's gradient all-reduce; per global sync one group of
         # ranks (taking turns, so 1/L of them) sends, and every rank takes part in the broadcast
         per_sync = (n / 2 / local if nodes > 1 else 0.0) + (n if local > 1 else 0.0)
@@ -311,25 +341,25 @@ def _blocks(s: Shapes) -> int:
 #: algorithm (a key of heatlike.recipes.ALGORITHMS) -> (pattern, model); a model maps
 #: (shapes, layout, links) to (seconds of communication per step, payload bytes per rank)
 MODELS: dict[str, tuple[str, Model]] = {
-    "allreduce": ("ring all-reduce 4m", _ring(4)),
-    "allreduce-nonblocking": ("ring all-reduce 4m", _ring(4)),
-    "centralized-sgd": ("ring all-reduce 4m", _ring(4)),
-    "centralized-adam": ("ring all-reduce 4m", _ring(4)),
-    "custom-clip": ("ring all-reduce 4m", _ring(4)),
+    "allreduce": ("all-reduce 4m", _allreduce(4)),
+    "allreduce-nonblocking": ("all-reduce 4m", _allreduce(4)),
+    "centralized-sgd": ("all-reduce 4m", _allreduce(4)),
+    "centralized-adam": ("all-reduce 4m", _allreduce(4)),
+    "custom-clip": ("all-reduce 4m", _allreduce(4)),
     "hierarchical": ("hierarchical 4m", _hierarchical),
-    "bf16": ("ring / hierarchical 2m", _half_cast),
-    "fp16-optimizer": ("ring all-reduce 2m", _ring(2)),
+    "bf16": ("node-aware 2m", _half_cast),
+    "fp16-optimizer": ("all-reduce 2m", _allreduce(2)),
     "powersgd-2": ("2 all-reduces, r=2", _powersgd(2)),
     "topk-1%": ("all-gather 8k, k=1%", _gather(lambda s: 8.0 * math.ceil(0.01 * s.total))),
     "randomk-10%": ("all-reduce 4k, k=10%",
-                    _ring_of(lambda s: 4.0 * math.ceil(0.1 * s.total))),
+                    _allreduce_of(lambda s: 4.0 * math.ceil(0.1 * s.total))),
     "sparsified-sgd": ("all-gather 8k, blocks", _gather(lambda s: 8.0 * _blocks(s))),
-    "sparsified-sgd-shared": ("all-reduce 4k, blocks", _ring_of(lambda s: 4.0 * _blocks(s))),
+    "sparsified-sgd-shared": ("all-reduce 4k, blocks", _allreduce_of(lambda s: 4.0 * _blocks(s))),
     "sign": ("all-gather m/8", _gather(lambda s: math.ceil(s.total / 8))),
     "ef-sign": ("all-gather m/8", _gather(lambda s: math.ceil(s.total / 8))),
     "decentralized": ("neighbors 2 x 4m", _gossip),
-    "distopt-fused": ("ring all-reduce 4m", _ring(4)),
-    "distopt-half": ("ring all-reduce 2m", _ring(2)),
+    "distopt-fused": ("all-reduce 4m", _allreduce(4)),
+    "distopt-half": ("all-reduce 2m", _allreduce(2)),
     "distopt-partial": ("all-reduce 4m/parts", _partial(4096)),
     "distopt-sparse": ("all-gather 8k, k=1%",
                        _gather(lambda s: 8.0 * math.ceil(0.01 * s.total))),
@@ -366,21 +396,29 @@ def prediction_table(pred: dict[str, dict[int, float]]) -> list[str]:
 # -- the suite ----------------------------------------------------------------------------------
 
 def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
-    """Collective: median seconds of a local training step (forward, backward, SGD step; no
-    communication) of an MLP of ``widths`` on ``batch`` samples, slowest rank; all ranks compute
-    at once, as in the distributed run."""
+    """Collective: :func:`local_step_time` of an MLP of ``widths`` on ``batch`` random
+    samples."""
     import torch
     from mpi4py import MPI
 
     from ..recipes import mlp
 
-    net = mlp(list(widths), seed=0)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
     comm = MPI.COMM_WORLD
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(batch, widths[0], generator=g)
     y = torch.randint(0, widths[-1], (batch,), generator=g)
+    return local_step_time(mlp(list(widths), seed=0), x, y, steps, comm)
+
+
+def local_step_time(net, x, y, steps: int, comm) -> float:
+    """Collective over the mpi4py communicator ``comm``: median seconds of a local training step
+    of ``net`` on ``(x, y)`` (forward, cross-entropy backward, SGD step with momentum; no
+    communication), all ranks computing at once as in the distributed run, slowest rank."""
+    import torch
+    from mpi4py import MPI
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     comm.Barrier()
     for i in range(steps + 1):
@@ -388,7 +426,7 @@ def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
         opt.zero_grad()
         loss_fn(net(x), y).backward()
         opt.step()
-        if i:
+        if i:  # the first step allocates
             times.append(time.perf_counter() - start)
     return comm.allreduce(statistics.median(times), op=MPI.MAX)
 
