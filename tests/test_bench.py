@@ -466,6 +466,9 @@ def test_cluster_report_puts_the_cost_model_next_to_the_measured_step():
     assert rows[0]["model_s"] == pytest.approx(2e-3 + 1e-4 + library)
     assert rows[0]["model_ratio"] == pytest.approx(0.01 / rows[0]["model_s"])
     assert rows[1]["model_s"] is None and rows[2]["model_s"] is None
+    eight = bc.with_model([{**row, "layout": [8, 4]}])[0]  # a job's own layout when it has one
+    assert eight["model_s"] == pytest.approx(2e-3 + 1e-4 + (
+        2 * 2 * 1e-5 + 2 * 3 / 4 * 4 * 5100 * 1e-9 + 2 * 1 * 1e-4 + 2 * 1 / 2 * 4 * 5100 * 8e-9))
     table = bc._table(bc._with_time_to_accuracy(rows))
     assert f"| {rows[0]['model_s'] * 1e3:.1f} | {rows[0]['model_ratio']:.2f} |" in table
     lines = bc.projection(rows, ranks_per_node=4)

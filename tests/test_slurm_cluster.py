@@ -11,6 +11,7 @@ SLURM or munge not installed: ``apt-get install slurmctld slurmd slurm-client mu
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -43,8 +44,6 @@ def slurm():
 def _env(**settings: str) -> dict[str, str]:
     """The submitter's environment: this interpreter's virtual environment for the job, the
     repository's examples, short settings."""
-    import os
-
     env = dict(os.environ, EXAMPLES=str(ROOT / "examples"), PYTHONUNBUFFERED="1")
     if sys.prefix != sys.base_prefix:
         env["VENV"] = sys.prefix
@@ -91,6 +90,23 @@ def test_every_script_without_a_gpu_is_submitted_here():
             continue
         stem = script.stem
         assert any(stem in name for name in tested), f"{script.name} is never submitted"
+
+
+def test_slurm_down_stops_only_its_own_processes(tmp_path):
+    """A process whose environment names this SLURM's configuration is its job's; any other
+    process on the nodes (a job of ``VirtualCluster.run``) is left alone by ``down``."""
+    import subprocess
+
+    s = sl.Slurm(cl.VirtualCluster([2, 2], name="hlowns"))
+    theirs = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": str(s.conf)})
+    other = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": str(tmp_path / "x.conf")})
+    try:
+        assert s._owns(theirs.pid) and not s._owns(other.pid)
+        assert not s._owns(os.getpid()) or os.environ.get("SLURM_CONF") == str(s.conf)
+    finally:
+        for p in (theirs, other):
+            p.kill()
+            p.wait()
 
 
 def test_cpu_script_trains_on_both_nodes(slurm, tmp_path):

@@ -91,6 +91,7 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     from mpi4py import MPI
 
     from ..core.communication import MPICommunication
+    from ..core.topology import get_topology
     from ..engine.exchange import CODEC_CLOCK
     from ..recipes import train_task
     from ..utils import configure_threads
@@ -105,8 +106,10 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     step = comm.handle.allreduce(statistics.median(steps), op=MPI.MAX)
     net = task.build(0)
     parameters = sum(p.numel() for p in net.parameters())
+    topo = get_topology(comm)
     return {"algorithm": algorithm, "model": model, "parameters": parameters,
             "shapes": [list(p.shape) for p in net.parameters()],
+            "layout": [comm.size, max(topo.local_sizes)],
             "steps": len(result.step_times), "step_s": step, "accuracy": result.accuracy,
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
             "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
@@ -353,14 +356,15 @@ def _with_time_to_accuracy(rows: list[dict]) -> list[dict]:
 def with_model(rows: list[dict]) -> list[dict]:
     """Add the cost model's step time (:mod:`heatlike.bench.costmodel`) to every row that has
     links: the job's measured compute and codec time per step plus the modelled communication
-    on the measured links, at the job's layout; and the ratio measured / model."""
+    on the measured links, at the job's layout (``layout``: ranks, ranks per node; the
+    cluster's 2 x 2 for rows without one); and the ratio measured / model."""
     from .costmodel import Layout, Shapes, comm_time
 
     for row in rows:
         row["model_s"] = row["model_ratio"] = None
         if not _modelled(row):
             continue
-        layout = Layout(sum(RANKS_PER_NODE), max(RANKS_PER_NODE))
+        layout = Layout(*row.get("layout", (sum(RANKS_PER_NODE), max(RANKS_PER_NODE))))
         row["model_s"] = (row["compute_s"] + row["codec_s"] + comm_time(
             row["algorithm"], Shapes.of(row["shapes"]), layout, _links_of(row)))
         row["model_ratio"] = row["step_s"] / row["model_s"]

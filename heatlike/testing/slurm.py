@@ -260,10 +260,24 @@ class Slurm:
         if not self.dir.exists():
             return
         pids = [p for p in self._pids() if _running(p)]
-        for n in self.cluster.nodes:  # slurmd, slurmstepd and the jobs' processes
-            pids += _netns_pids(n.netns) if self.cluster.subnet else []
+        for n in self.cluster.nodes:  # slurmd, slurmstepd and the jobs' processes, not others
+            pids += [p for p in (_netns_pids(n.netns) if self.cluster.subnet else [])
+                     if self._owns(p)]
         _kill_pids(sorted(set(pids)))
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _owns(self, pid: int) -> bool:
+        """Whether process ``pid`` (in a node) is this SLURM's: a ``slurmd`` or ``slurmstepd``,
+        or a job's process (its environment names this SLURM's configuration). Other jobs on
+        the cluster (``VirtualCluster.run``) are left alone."""
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() in ("slurmd", "slurmstepd"):
+                    return True
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return f"SLURM_CONF={self.conf}".encode() in f.read().split(b"\0")
+        except OSError:
+            return False
 
     def __enter__(self) -> Slurm:
         return self.up()
