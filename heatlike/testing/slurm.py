@@ -25,10 +25,13 @@ submits a script with ``sbatch --wait`` and returns a :class:`BatchResult`: the 
 exit code, node list, output and the bytes the nodes sent each other meanwhile
 (:meth:`Slurm.submit`, :meth:`Slurm.signal` and :meth:`Slurm.wait` do it in steps).
 
-``slurm down`` (and the cluster's ``down``) stops the daemons and removes the state; the nodes'
-processes die with their namespaces. Requirements: the cluster's, plus Debian's ``slurmctld``,
-``slurmd``, ``slurm-client`` and ``munge`` packages (22.05 is what the settings were written
-for); :func:`unavailable_reason` says what is missing.
+``slurm down`` stops the daemons, the job steps and the jobs' processes (found by the
+``SLURM_CONF`` in their environment) and removes the state; other jobs on the nodes
+(``VirtualCluster.run``) are left alone. The cluster's ``down`` ends everything.
+
+Requirements: the cluster's, plus Debian's ``slurmctld``, ``slurmd``, ``slurm-client`` and
+``munge`` packages (22.05 is what the settings were written for); :func:`unavailable_reason`
+says what is missing.
 """
 
 from __future__ import annotations
