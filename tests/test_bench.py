@@ -226,6 +226,46 @@ def test_time_to_accuracy_from_a_curve():
 
 
 @pytest.mark.mpi
+def _mlbench_or_skip(comm):
+    from heatlike.bench import mlbench
+
+    try:
+        original = mlbench.import_mlbench()
+    except ImportError as error:
+        pytest.skip(str(error))
+    hosts = comm.handle.allgather(__import__("socket").gethostname())
+    if len(set(hosts)) > 1:  # gloo is started on loopback
+        pytest.skip("the ranks run on several hosts")
+    from heatlike.bench.dp import init_gloo
+
+    init_gloo(comm.handle)
+    return mlbench, original
+
+
+@pytest.mark.parametrize("case", ["CentralizedSGD", "CentralizedAdam"])
+def test_mlbench_side_by_side_trains_the_same_model(comm, case):
+    """The benchmark drives mlbench-core's class and heatlike's port on the same model and
+    batches: after a few steps the two models agree to float rounding, on every rank."""
+    mlbench, original = _mlbench_or_skip(comm)
+    ours = mlbench.trainer(case, "heatlike", original)
+    theirs = mlbench.trainer(case, "mlbench", original)
+    for _ in range(3):
+        ours.step()
+        theirs.step()
+    for a, b in zip(ours.model.parameters(), theirs.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_mlbench_suite_times_every_port(comm):
+    mlbench, _ = _mlbench_or_skip(comm)
+    results = Results()
+    mlbench.run(results, quick=True)
+    ratios = {r.case: r.value for r in results.records if r.metric == "heatlike/mlbench"}
+    expected = [c for c in mlbench.CASES if comm.size > 1 or c != "DecentralizedSGD"]
+    assert sorted(ratios) == sorted(expected)
+    assert all(v > 0 and math.isfinite(v) for v in ratios.values())
+
+
 def test_tiny_time_to_accuracy_run(comm):
     task = Task("tiny", load_synthetic_split(0, samples=240, features=16), [16, 32, 10],
                 batch_size=16, lr=0.1)

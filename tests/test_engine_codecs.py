@@ -340,8 +340,81 @@ def test_variable_gather_and_reducer_validation(comm):
         PowerSGD(rank=0)
 
 
-def drive_gather(reducer, tensors):
-    gen = reducer.gather(tensors, variable=True)
+def test_fixed_gather_packs_mixed_dtypes_into_one_allgather(comm, monkeypatch):
+    """Several fixed-size tensors (dtypes of 1, 2, 4 and 8 bytes, odd lengths, empty, 0-d) travel
+    as one all-gather and come back per rank with their dtypes, shapes and values."""
+    def parts_of(r):
+        return [torch.arange(3, dtype=torch.int32) + r, torch.full((5,), r + 0.5),
+                torch.tensor([r % 2 == 0, True, False]), torch.zeros(0),
+                torch.arange(7, dtype=torch.bfloat16) * (r + 1), torch.tensor(float(r)),
+                torch.arange(4, dtype=torch.int64).view(2, 2) - r, torch.ones(3, dtype=torch.uint8)]
+    calls = []
+    real = type(comm).Iallgather
+    monkeypatch.setattr(type(comm), "Iallgather",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    red = AllReduce(comm, op="sum")
+    result = drive_gather(red, parts_of(comm.rank), variable=False)
+    assert len(calls) == 1
+    assert red.bytes_sent == sum(t.numel() * t.element_size() for t in parts_of(0))
+    for r in range(comm.size):
+        for got, expected in zip(result[r], parts_of(r), strict=True):
+            assert got.dtype == expected.dtype and got.shape == expected.shape
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(k=3), lambda: RandomK(k=3, shared=False),
+                                  lambda: Sign(), lambda: RandomK(k=3)])
+def test_bucket_flags_are_summed_exactly(comm, monkeypatch, make):
+    """A bucket's use counters are summed over the ranks; with a codec whose first message is a
+    gather of fixed sizes they travel in it (no all-reduce of their own)."""
+    calls = {"Iallgather": 0, "Iallreduce": 0}
+    for name in calls:
+        real = getattr(type(comm), name)
+        monkeypatch.setattr(type(comm), name, lambda self, *a, _n=name, _f=real, **k:
+                            calls.__setitem__(_n, calls[_n] + 1) or _f(self, *a, **k))
+    codec = make()
+    flags = torch.tensor([1.0, float(comm.rank % 2), 0.0])
+    reducer = AllReduce(comm, op="avg")
+    ctx = Context(key=0, shapes=[torch.Size([16])], size=comm.size, rank=comm.rank,
+                  state=codec.state_for(0))
+    Request(exchange(_x(comm.rank, 16), codec, reducer, ctx, flags)).Wait()
+    assert flags.tolist() == [comm.size, comm.size // 2, 0]
+    if isinstance(codec, RandomK) and codec.shared:  # a sum: the flags' own all-reduce
+        assert calls["Iallreduce"] == 2
+    else:
+        assert calls["Iallreduce"] == 0 and calls["Iallgather"] >= 1
+
+
+def test_average_of_a_sparse_result_scales_only_its_support(comm):
+    """AllReduce's division after a sparse codec touches only ``support`` (a slice, or indices
+    that repeat) and gives what dividing the whole tensor gives."""
+    red = AllReduce(comm, op="avg")
+    x = torch.zeros(20)
+    x[[2, 5, 11]] = torch.tensor([3.0, -6.0, 1.5])
+    expected = x / comm.size
+    for support in (torch.tensor([5, 2, 11, 5, 2]), slice(2, 12)):
+        got = x.clone()
+        red.finish(got, None, support)
+        assert torch.equal(got, expected)
+
+
+def test_codec_state_dict_is_a_copy(comm):
+    """Codecs update their residual in place: a state taken earlier keeps its values, and
+    loading it restores them."""
+    codec = TopK(k=2)
+    _run(codec, _x(comm.rank, 16), comm)
+    state = codec.state_dict()
+    saved = state["states"][0]["residual"].clone()
+    _run(codec, _x(comm.rank, 16, step=1), comm)
+    assert torch.equal(state["states"][0]["residual"], saved)
+    assert not torch.equal(codec.state_for(0)["residual"], saved)
+    codec.load_state_dict(state)
+    _run(codec, _x(comm.rank, 16, step=2), comm)
+    assert torch.equal(state["states"][0]["residual"], saved)
+
+
+def drive_gather(reducer, tensors, variable=True):
+    gen = reducer.gather(tensors, variable=variable)
     try:
         while True:
             next(gen).Wait()

@@ -8,6 +8,8 @@ Suites:
   daso        DASO against blocking DataParallel on two (emulated) nodes
   algorithms  every distributed optimizer: accuracy per epoch, step time, bytes per step
   tta         time to accuracy (mlbench's metric) on digits and on a synthetic task
+  mlbench     each mlbench-core port against the original (when mlbench-core 3.0.0 is
+              installed): step time side by side
   costmodel   alpha-beta model of every algorithm's step time at 8 .. 4096 ranks (a model, not a
               measurement) next to the step times measured here
   all         every suite above, in this order
@@ -31,11 +33,12 @@ import time
 
 from mpi4py import MPI
 
-from . import algorithms, comm, costmodel, daso, dndarray, dp, tta
+from . import algorithms, comm, costmodel, daso, dndarray, dp, mlbench, tta
 from ._common import Results, detect_layout, say, set_progress
 
 SUITES = {"comm": comm.run, "dndarray": dndarray.run, "dp": dp.run, "daso": daso.run,
-          "algorithms": algorithms.run, "tta": tta.run, "costmodel": costmodel.run}
+          "algorithms": algorithms.run, "mlbench": mlbench.run, "tta": tta.run,
+          "costmodel": costmodel.run}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -69,15 +69,21 @@ class Codec:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        return {"codec": self.name, "states": {k: dict(v) for k, v in self.states.items()}}
+        """A copy of the per-bucket state (codecs update their tensors in place)."""
+        return {"codec": self.name, "states": {k: _copied(v) for k, v in self.states.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("codec") != self.name:
             raise ValueError(f"state of codec {state.get('codec')!r} given to {self.name!r}")
-        self.states = {k: dict(v) for k, v in state["states"].items()}
+        self.states = {k: _copied(v) for k, v in state["states"].items()}
 
     def __repr__(self) -> str:
         return self.name
+
+
+def _copied(state: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else _copied(v) if isinstance(v, dict)
+            else v for k, v in state.items()}
 
 
 class Identity(Codec):
@@ -112,6 +118,20 @@ class Cast(Codec):
         x.copy_(wire)
 
 
+def _with_residual(x: torch.Tensor, ctx: Context, error_feedback: bool) -> torch.Tensor:
+    """``x + e``, in a tensor the codec reads before it writes its result into ``x``: the
+    residual itself, updated in place (the codec subtracts what it sends and keeps the rest as
+    the next residual), or ``x`` itself without error feedback."""
+    if not error_feedback:
+        return x
+    residual = ctx.state.get("residual")
+    if residual is None or residual.shape != x.shape:
+        return x.clone()
+    if residual.dtype != x.dtype or residual.device != x.device:
+        return x + residual.to(x)
+    return residual.add_(x)
+
+
 class _Feedback(Codec):
     """Error feedback: compress ``x + e`` and keep the rest in ``e``."""
 
@@ -121,12 +141,7 @@ class _Feedback(Codec):
         self.stateful = error_feedback
 
     def _with_residual(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        if not self.error_feedback:
-            return x.clone()
-        residual = ctx.state.get("residual")
-        if residual is None or residual.shape != x.shape:
-            residual = torch.zeros_like(x)
-        return x + residual
+        return _with_residual(x, ctx, self.error_feedback)
 
     def _keep(self, ctx: Context, total: torch.Tensor, sent: torch.Tensor) -> None:
         if self.error_feedback:
@@ -182,12 +197,22 @@ def _index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
-def _scatter_add(x: torch.Tensor, gathered: list) -> None:
+def _scatter_add(x: torch.Tensor, gathered: list, ctx: Context) -> None:
+    """``x`` = the sum of every rank's (index, value) pairs (NaN everywhere if a rank's poison
+    marker says its input was not finite); ``ctx.support`` the indices."""
     x.zero_()
+    support = []
+    poisoned = False
     for indices, values, *poison in gathered:
-        x.index_add_(0, indices.long(), values)
-        if poison:
+        indices = indices.long()
+        x.index_add_(0, indices, values)
+        support.append(indices)
+        if poison and bool(poison[0].ne(0).any()):  # a rank's input was not finite
             x.add_(poison[0].to(x.dtype))
+            poisoned = True
+    support = torch.cat(support) if support and not poisoned else None
+    # scaling a few positions by index beats a pass over x only while they are few
+    ctx.support = support if support is not None and 8 * support.numel() < x.numel() else None
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -223,11 +248,11 @@ class TopK(_Feedback):
         k = _count(x.numel(), self.k, self.ratio)
         indices = largest(total.abs(), k)
         values = total[indices]
-        if self.error_feedback:  # the residual: total less what is sent (total is a new tensor)
+        if self.error_feedback:  # the residual: total less what is sent
             total[indices] -= values
             ctx.state["residual"] = total
         gathered = yield Gather([indices.to(_index_dtype(x.numel())), values])
-        _scatter_add(x, gathered)
+        _scatter_add(x, gathered, ctx)
 
 
 class Threshold(_Feedback):
@@ -246,12 +271,12 @@ class Threshold(_Feedback):
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
         indices = flat_nonzero((total.abs() >= self.threshold) | total.isnan())
-        sent = torch.zeros_like(total)
-        sent[indices] = total[indices]
-        self._keep(ctx, total, sent)
-        gathered = yield Gather([indices.to(_index_dtype(x.numel())), total[indices]],
-                                variable=True)
-        _scatter_add(x, gathered)
+        values = total[indices]
+        if self.error_feedback:  # the residual: total less what is sent
+            total[indices] -= values
+            ctx.state["residual"] = total
+        gathered = yield Gather([indices.to(_index_dtype(x.numel())), values], variable=True)
+        _scatter_add(x, gathered, ctx)
 
 
 class _RandomSubset(_Feedback):
@@ -279,20 +304,23 @@ class _RandomSubset(_Feedback):
         n = x.numel()
         chosen = self._select(n, _count(n, self.k, self.ratio),
                               ctx.generator(shared=self.shared), x.device)
-        sent = torch.zeros_like(total)
-        sent[chosen] = total[chosen]
-        self._keep(ctx, total, sent)
         values = torch.cat([total[chosen], _poison(total).to(total.dtype)])
+        if self.error_feedback:  # the residual: total less what is sent
+            total[chosen] -= values[:-1]
+            ctx.state["residual"] = total
         if self.shared:
             yield Sum(values)
             x.zero_()
             x[chosen] = values[:-1]
-            x.add_(values[-1])
+            if bool(values[-1] != 0):  # a rank's input was not finite
+                x.add_(values[-1])
+            else:
+                ctx.support = chosen
         else:
             indices = chosen if isinstance(chosen, torch.Tensor) else \
                 torch.arange(chosen.start, chosen.stop, device=x.device)
             gathered = yield Gather([indices.to(_index_dtype(n)), values[:-1], values[-1:]])
-            _scatter_add(x, gathered)
+            _scatter_add(x, gathered, ctx)
 
 
 _FAST_SUBSET_MIN = 1 << 16  # below this many entries a permutation is as cheap
@@ -434,12 +462,7 @@ class PowerSGD(Codec):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         state = ctx.state
-        if self.error_feedback:
-            residual = state.get("residual")
-            total = x + residual if residual is not None and residual.shape == x.shape \
-                else x.clone()
-        else:
-            total = x
+        total = _with_residual(x, ctx, self.error_feedback)
         matrices, plain = [], []  # (slice, M) / slice
         offset = 0
         for i, shape in enumerate(ctx.shapes):

@@ -53,7 +53,9 @@ class Context:
     ``key`` identifies the tensor across steps (its state lives under it), ``shapes`` the shapes
     of the parameters laid out one after the other in it (for codecs that see matrices), ``step``
     counts the exchanges of this key, ``size`` / ``rank`` describe the communicator, ``seed`` is
-    common to all ranks (shared random choices)."""
+    common to all ranks (shared random choices). A codec whose result is zero outside some
+    positions of ``x`` sets ``support`` to them (a slice, or indices that may repeat), so that the
+    reducer scales only those."""
 
     key: object
     shapes: list[torch.Size]
@@ -62,6 +64,7 @@ class Context:
     step: int = 0
     seed: int = 0
     state: dict = field(default_factory=dict)
+    support: slice | torch.Tensor | None = None
 
     def generator(self, salt: int = 0, shared: bool = True) -> torch.Generator:
         """A generator seeded from (seed, key, step, salt), the same on every rank if
@@ -103,7 +106,8 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
 
     Operation generator; afterwards ``values`` holds the reducer's result (e.g. the average).
     ``flags`` (per-parameter use counters of a gradient bucket, kept apart from ``values``) are
-    summed exactly with a small extra all-reduce; codecs that keep small integers exact
+    summed exactly: gathered with the codec's first message when it is a gather of fixed sizes,
+    else with a small extra all-reduce; codecs that keep small integers exact
     (``codec.carries_flags``: identity, cast) can instead be given values and flags as one tensor.
     ``channel`` (from ``reducer.open_channel()``) runs the collectives on private communicators.
     """
@@ -112,17 +116,25 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     codec.pre(values)        # on the raw values (clipping)
     spent = clock() - began
     token = reducer.prepare(values)  # then the reducer's scaling (division before the sum)
-    flag_request = None
-    if flags is not None:
-        flag_request = reducer.start_flags(flags, channel=channel)
     began = clock()
     rounds = codec.rounds(values, ctx)
     message = next(rounds, None)
     spent += clock() - began
+    flag_request = None
+    riding = flags is not None and _flags_can_ride(message, reducer)
+    if flags is not None and not riding:
+        flag_request = reducer.start_flags(flags, channel=channel)
     while message is not None:
         if isinstance(message, Sum):
             yield from reducer.combine(message.tensor, channel=channel)
             result = message.tensor
+        elif riding:  # the flags travel in the codec's first gather: one collective, not two
+            result = yield from reducer.gather([*message.tensors, flags], False,
+                                               channel=channel)
+            reducer.bytes_sent -= flags.numel() * flags.element_size()  # not payload
+            flags.copy_(torch.stack([per_rank[-1] for per_rank in result]).sum(0))
+            result = [per_rank[:-1] for per_rank in result]
+            riding = False
         else:
             result = yield from reducer.gather(message.tensors, message.variable,
                                                channel=channel)
@@ -135,7 +147,14 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     CODEC_CLOCK.seconds += spent
     if flag_request is not None:
         yield flag_request
-    reducer.finish(values, token)
+    reducer.finish(values, token, ctx.support)
+
+
+def _flags_can_ride(message, reducer) -> bool:
+    """Whether a bucket's flags can be summed by gathering them with the codec's first message:
+    a gather of fixed sizes over all ranks (the reducer sums over the world)."""
+    return isinstance(message, Gather) and not message.variable and \
+        bool(getattr(reducer, "sums", False)) and not getattr(reducer, "mixes", False)
 
 
 def _after(previous, op: Operation) -> Operation:

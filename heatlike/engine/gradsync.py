@@ -407,6 +407,12 @@ class GradientSync:
             return []
         return [b for b in range(len(self.buckets)) if b not in self._consumed]
 
+    def view_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s place in its bucket (``p``'s shape): a gradient written there and set as
+        ``p.grad`` is exchanged without being copied in or out."""
+        b, i = self._where[id(p)]
+        return self.buckets[b].views[i]
+
     def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (sorted)."""
         return sorted({self._where[id(p)][0] for p in params if id(p) in self._where})

@@ -72,8 +72,10 @@ class Reducer:
         """Before the codec runs (default: nothing); returns what :meth:`finish` of the same
         exchange needs (settings changed while it is in flight do not apply to it)."""
 
-    def finish(self, values: torch.Tensor, token=None) -> None:
-        """After the codec's last round (default: nothing)."""
+    def finish(self, values: torch.Tensor, token=None,
+               support: slice | torch.Tensor | None = None) -> None:
+        """After the codec's last round (default: nothing). ``support``: where ``values`` can be
+        nonzero (None: anywhere)."""
 
     def combine(self, t: torch.Tensor, channel=None):
         """Operation: sum ``t`` over the ranks, in place."""
@@ -87,6 +89,8 @@ class Reducer:
     def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
         """Operation returning ``result[r][i]``: tensor i of rank r."""
         comm = self._world(channel) or self.comm
+        if not variable and len(tensors) > 1 and len({t.device for t in tensors}) == 1:
+            return (yield from self._gather_packed(tensors, comm))
         parts = []
         for t in tensors:
             self.bytes_sent += _nbytes(t)
@@ -103,6 +107,28 @@ class Reducer:
                 yield comm.Iallgather(t, out)
                 parts.append(list(out.view(comm.size, -1)))
         return [list(per_rank) for per_rank in zip(*parts)]
+
+    def _gather_packed(self, tensors: list[torch.Tensor], comm):
+        """Operation: :meth:`gather` of fixed-size tensors as one all-gather of their bytes (each
+        padded to 8 bytes, so every piece is aligned for its dtype)."""
+        pieces, layout = [], []
+        for t in tensors:
+            self.bytes_sent += _nbytes(t)
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            pad = -raw.numel() % 8
+            pieces.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
+            layout.append((t.dtype, t.shape, raw.numel(), raw.numel() + pad))
+        packed = torch.cat(pieces)
+        out = torch.empty(comm.size * packed.numel(), dtype=torch.uint8, device=packed.device)
+        yield comm.Iallgather(packed, out)
+        result = []
+        for row in out.view(comm.size, -1):
+            per_rank, offset = [], 0
+            for dtype, shape, used, width in layout:
+                per_rank.append(row[offset:offset + used].view(dtype).view(shape))
+                offset += width
+            result.append(per_rank)
+        return result
 
 
 class AllReduce(Reducer):
@@ -175,9 +201,17 @@ class AllReduce(Reducer):
             raise ValueError(f"op={self.op!r} needs a linear codec (identity or cast)")
         return (yield from super().gather(tensors, variable, channel))
 
-    def finish(self, values: torch.Tensor, token: float | None = None) -> None:
-        if self._divides and not self.divide_before:
-            values.div_(self.denom if token is None else token)
+    def finish(self, values: torch.Tensor, token: float | None = None,
+               support: slice | torch.Tensor | None = None) -> None:
+        if not self._divides or self.divide_before:
+            return
+        denom = self.denom if token is None else token
+        if support is None:
+            values.div_(denom)
+        elif isinstance(support, slice):
+            values[support].div_(denom)
+        else:  # indices, perhaps repeated: each position divided once
+            values[support] = values[support].div(denom)
 
 
 class Hierarchical(AllReduce):

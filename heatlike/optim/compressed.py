@@ -136,7 +136,14 @@ class _UpdateSync(torch.optim.Optimizer):
         updates = {}
         for group, p in self._synced():
             wd, lr = group["weight_decay"], group["lr"]
-            updates[p] = p.grad.mul(lr) if not wd else p.grad.add(p, alpha=wd).mul_(lr)
+            view = self.sync.view_of(p)  # the update is written into its bucket: no copies
+            if view.dtype != p.grad.dtype:
+                view = torch.empty_like(p.grad)
+            if wd:
+                torch.add(p.grad, p, alpha=wd, out=view).mul_(lr)
+            else:
+                torch.mul(p.grad, lr, out=view)
+            updates[p] = view
         self._exchange_updates(updates, tracker)
         for p in self.sync.params:
             if p.grad is not None:
