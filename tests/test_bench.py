@@ -266,6 +266,30 @@ def test_mlbench_suite_times_every_port(comm):
     assert all(v > 0 and math.isfinite(v) for v in ratios.values())
 
 
+def test_dndarray_against_heat_runs_every_case_or_says_why_not(comm, capsys):
+    """With Heat importable every case is timed on both sides; without, the suite says so and
+    records nothing (on every rank alike)."""
+    from heatlike.bench import dndarray
+
+    try:
+        dndarray.import_heat()
+        available = True
+    except ImportError:
+        available = False
+    assert len(set(comm.handle.allgather(available))) == 1
+    results = Results()
+    dndarray.run_against_heat(results, quick=True)
+    ratios = {r.case: r.value for r in results.records if r.metric == "heatlike/heat"}
+    if not available:
+        assert not results.records
+        if comm.rank == 0:
+            assert "skipped: Heat cannot be imported" in capsys.readouterr().out
+        return
+    assert set(ratios) == {"random rand", "sum(axis=0)", "mean(axis=0)", "argmax(axis=0)",
+                           "a + b", "resplit(0 -> 1)", "a @ w (0,None)", "DataParallel step"}
+    assert all(v > 0 and math.isfinite(v) for v in ratios.values())
+
+
 def test_tiny_time_to_accuracy_run(comm):
     task = Task("tiny", load_synthetic_split(0, samples=240, features=16), [16, 32, 10],
                 batch_size=16, lr=0.1)
@@ -452,7 +476,8 @@ def test_bench_cli_rejects_bad_arguments(capsys):
     from heatlike.bench.__main__ import main
 
     for argv in (["comm", "--links", "1:0"], ["algorithms", "--algorithms", "nope"],
-                 [], ["comm", "--trace-algorithm", "nope", "--trace", "x.json"]):
+                 [], ["comm", "--trace-algorithm", "nope", "--trace", "x.json"],
+                 ["dndarray", "--against", "numpy"]):
         with pytest.raises(SystemExit):
             main(argv)
 

@@ -167,3 +167,12 @@ def test_chunk_matches_heat_convention(comm):
     assert offsets == [sum(rows[:r]) for r in range(comm.size)]
     assert comm.chunk(shape, None) == (0, shape, (slice(0, 10), slice(0, 3)))
     assert comm.counts_displs(10) == (rows, offsets)
+    counts, displs, out = comm.counts_displs_shape((4, 10, 3), 1)  # Heat's name and layout
+    assert (list(counts), list(displs)) == (rows, offsets)
+    assert out == (4, comm.size * rows[comm.rank], 3)
+    assert comm.counts_displs_shape((10, 3), -2) == (counts, displs, (comm.size * rows[comm.rank],
+                                                                       3))
+    with pytest.raises(ValueError, match="axis"):
+        comm.counts_displs_shape((10, 3), 2)
+    with pytest.raises(TypeError, match="shape"):
+        comm.counts_displs_shape((10.0, 3), 0)

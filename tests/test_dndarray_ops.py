@@ -278,6 +278,21 @@ def test_argmin_argmax():
         assert_matches(x.argmin(), np.argmin(gi), what)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64, np.int16, np.uint8])
+def test_argmin_argmax_of_large_arrays_along_strided_axes(dtype):
+    """Arrays large enough for the vectorized arg-reduction across strided axes: ties (the first
+    occurrence wins), NaN (the extremum) and -0.0 == 0.0, against numpy, in every layout."""
+    for i, (shape, axes) in enumerate([((2400, 120), (0, 1)), ((160, 300, 8), (0, 1))]):
+        g = (global_array(20 + i, shape) // 5).astype(dtype)
+        if np.issubdtype(dtype, np.floating):
+            g.reshape(-1)[::997] = np.nan
+            g.reshape(-1)[3::1009] = -0.0
+        for what, x in layouts(g, seed=i):
+            for axis in axes:
+                assert_matches(x.argmax(axis=axis), np.argmax(g, axis=axis), f"{what} {axis}")
+                assert_matches(x.argmin(axis=axis), np.argmin(g, axis=axis), f"{what} {axis}")
+
+
 def test_reduction_errors():
     x = hl.zeros((4, 3), split=0)
     raises_everywhere(ValueError, lambda: x.sum(axis=2), "out of bounds")

@@ -145,10 +145,12 @@ def test_requeue_script_requeues_through_slurm_and_resumes(slurm, tmp_path):
     def until(what, condition, seconds=120):
         deadline = time.monotonic() + seconds
         while not condition():
-            state = slurm.poll(job).get("JobState")
-            assert state not in sl.FINAL_STATES and time.monotonic() < deadline, (
+            ended, info = slurm.ended(job)
+            state = info.get("JobState")
+            assert not ended and time.monotonic() < deadline, (
                 f"job {job} ({state}) never got to {what}:\n"
-                f"{output.read_text() if output.exists() else ''}")
+                f"{output.read_text() if output.exists() else ''}\nSLURM's logs:\n"
+                + "\n".join(slurm.log_lines(job)))
             time.sleep(0.2)
 
     until("its first checkpoint", checkpoint.exists)

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                             "the comm suite, or now)")
     model.add_argument("--ranks-per-node", type=int, default=4, metavar="K",
                        help="ranks per node of the predicted layouts (default 4)")
+    tensor = p.add_argument_group("dndarray")
+    tensor.add_argument("--against", choices=["heat"], default=None,
+                        help="dndarray: also run every operation, and a DataParallel step, "
+                             "through Heat in the same process (when Heat is importable)")
     other = p.add_argument_group("daso")
     other.add_argument("--slow-link", metavar="LATENCY_US:MBPS",
                        help="daso: simulate a slower cross-node link (labelled in the output)")
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     detect_layout(world)
     options = {
         "daso": {"slow_link": args.slow_link},
+        "dndarray": {"against": args.against},
         "algorithms": {"algorithms": args.algorithms},
         "tta": {"algorithms": args.algorithms, "target": args.target,
                 "target_synthetic": args.target_synthetic, "max_epochs": args.max_epochs},

@@ -11,6 +11,15 @@ Cases, on float32 arrays of ``4096 x 4096`` (64 MiB; ``--quick`` runs fewer roun
   and the achieved rate is reported in GB/s of data that changed rank;
 * ``a @ w``: a (0, None) matmul with ``w`` of ``4096 x 256`` replicated, local.
 
+With ``--against heat`` (when Heat is importable; skipped with the reason otherwise) the same
+operations also run through Heat in the same process, interleaved with heatlike's: random
+generation of the array, ``sum(axis=0)``, ``mean(axis=0)``, ``argmax(axis=0)``, ``a + b``,
+``resplit`` and the matmul, and a DataParallel training step (an MLP 256-1024-1024-10, batch 32
+per rank, blocking updates, SGD) through each library's ``DataParallel`` and
+``DataParallelOptimizer`` with Heat's signatures. Each figure is the median of the slowest
+rank's time; the ratio is heatlike / Heat (targets: every operation <= 1.0, their geometric mean
+<= 0.8, DataParallel <= 0.9).
+
 The same data for numpy come from :mod:`heatlike.random` on rank 0 alone (values do not depend on
 the number of ranks). Fresh torch results are page-faulted in 4 KiB pages unless
 ``THP_MEM_ALLOC_ENABLE=1`` is set (numpy uses transparent huge pages by itself), which dominates
@@ -30,7 +39,7 @@ import torch
 
 from .. import random as hrandom
 from ..core.communication import MPI_SELF, MPI_WORLD
-from ._common import Results, describe_environment, timed_rounds
+from ._common import Results, describe_environment, say, timed_rounds
 
 ROWS = COLS = 4096
 QUICK_ROWS = 2048
@@ -61,7 +70,7 @@ def _numpy_times(variants: dict, rounds: int) -> dict[str, float]:
     return out
 
 
-def run(results: Results, quick: bool = False) -> None:
+def run(results: Results, quick: bool = False, against: str | None = None) -> None:
     comm = MPI_WORLD
     rank0 = comm.rank == 0
     rounds = 3 if quick else 7
@@ -115,3 +124,98 @@ def run(results: Results, quick: bool = False) -> None:
         if rank0:
             print(f"{name:<18} {seconds * 1e3:11.2f} {ref[name] * 1e3:9.2f} {ratio:14.2f}  {note}",
                   flush=True)
+    if against == "heat":
+        run_against_heat(results, quick)
+
+
+def import_heat():
+    """Heat, or ImportError with the reason (import errors of Heat's own dependencies
+    included)."""
+    try:
+        import heat
+    except Exception as error:  # noqa: BLE001 - any failure to import means "not available"
+        raise ImportError(f"Heat cannot be imported: {type(error).__name__}: {error}") from error
+    return heat
+
+
+DP_WIDTHS = [256, 1024, 1024, 10]
+
+
+def _dp_steps(ht):
+    """One blocking DataParallel training step for heatlike and for Heat, same model and data."""
+    from .. import nn as hnn
+    from .. import optim as hoptim
+    from ..recipes import mlp
+
+    g = torch.Generator().manual_seed(MPI_WORLD.rank)
+    x = torch.randn(32, DP_WIDTHS[0], generator=g)
+    y = torch.randint(0, DP_WIDTHS[-1], (32,), generator=g)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def make(nn_mod, optim_mod, comm):
+        torch.manual_seed(0)
+        net = mlp(DP_WIDTHS)
+        opt = optim_mod.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.01),
+                                              blocking=True)
+        model = nn_mod.DataParallel(net, comm, opt, blocking_parameter_updates=True)
+
+        def step():
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+        return step
+
+    return make(hnn, hoptim, MPI_WORLD), make(ht.nn, ht.optim, ht.MPI_WORLD)
+
+
+def run_against_heat(results: Results, quick: bool = False) -> None:
+    """heatlike against Heat, operation by operation, in one process (module docstring)."""
+    comm = MPI_WORLD
+    try:
+        ht = import_heat()
+    except ImportError as error:
+        say(f"# dndarray --against heat: skipped: {error}")
+        return
+    rounds = 3 if quick else 9
+    rows = cols = QUICK_ROWS if quick else ROWS
+    say(f"# dndarray against Heat {ht.__version__}: float32 {rows} x {cols} split=0, "
+        f"{describe_environment(comm.handle)}")
+    say(f"{'case':<22} {'heatlike ms':>11} {'Heat ms':>9} {'heatlike/Heat':>13}")
+    hrandom.seed(7)
+    a, b = hrandom.rand(rows, cols, split=0), hrandom.rand(rows, cols, split=0)
+    w = hrandom.rand(cols, INNER)
+    ht.random.seed(7)
+    ha = ht.random.rand(rows, cols, split=0, dtype=ht.float32)
+    hb = ht.random.rand(rows, cols, split=0, dtype=ht.float32)
+    hw = ht.random.rand(cols, INNER, dtype=ht.float32)
+    ours_dp, heat_dp = _dp_steps(ht)
+    cases = {
+        "random rand": (lambda: hrandom.rand(rows, cols, split=0),
+                        lambda: ht.random.rand(rows, cols, split=0, dtype=ht.float32)),
+        "sum(axis=0)": (lambda: a.sum(axis=0), lambda: ha.sum(axis=0)),
+        "mean(axis=0)": (lambda: a.mean(axis=0), lambda: ht.mean(ha, axis=0)),
+        "argmax(axis=0)": (lambda: a.argmax(axis=0), lambda: ht.argmax(ha, axis=0)),
+        "a + b": (lambda: a + b, lambda: ha + hb),
+        "resplit(0 -> 1)": (lambda: a.resplit(1), lambda: ht.resplit(ha, 1)),
+        "a @ w (0,None)": (lambda: a @ w, lambda: ht.matmul(ha, hw)),
+        "DataParallel step": (ours_dp, heat_dp),
+    }
+    variants = {}
+    for name, (ours, theirs) in cases.items():
+        variants[f"{name}|heatlike"] = ours
+        variants[f"{name}|heat"] = theirs
+    med = timed_rounds(variants, 3 if quick else 5, rounds, comm.handle)
+    ratios = []
+    for name in cases:
+        mine, heat = med[f"{name}|heatlike"], med[f"{name}|heat"]
+        ratio = mine / heat
+        if name != "DataParallel step":
+            ratios.append(ratio)
+        results.add("dndarray-heat", name, "heatlike time", mine * 1e3, "ms")
+        results.add("dndarray-heat", name, "heat time", heat * 1e3, "ms")
+        results.add("dndarray-heat", name, "heatlike/heat", ratio, "ratio")
+        say(f"{name:<22} {mine * 1e3:11.2f} {heat * 1e3:9.2f} {ratio:13.2f}")
+    geomean = float(np.exp(np.mean(np.log(ratios))))
+    results.add("dndarray-heat", "operations", "geometric mean heatlike/heat", geomean, "ratio")
+    say(f"{'geometric mean (ops)':<22} {'':>11} {'':>9} {geomean:13.2f}")
+

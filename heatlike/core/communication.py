@@ -403,6 +403,26 @@ class MPICommunication:
         """Counts and displacements of ``n`` elements distributed over the ranks."""
         return counts_displs(n, self.size)
 
+    def counts_displs_shape(self, shape: Sequence[int], axis: int
+                            ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Heat's: ``(counts, displs, output_shape)`` for a variable all-to-all along ``axis``:
+        ``shape[axis]`` items spread over the ranks as by :meth:`chunk` (the first
+        ``shape[axis] % size`` ranks one more), their displacements, and ``shape`` with
+        ``size * counts[rank]`` along ``axis`` (a buffer receiving this rank's count from every
+        rank). Local: no communication."""
+        shape = tuple(shape)
+        if not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 0
+                   for s in shape):
+            raise TypeError(f"shape must be a sequence of non-negative ints, got {shape!r}")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or \
+                not -len(shape) <= axis < len(shape):
+            raise ValueError(f"axis {axis!r} is not an axis of a shape of {len(shape)} "
+                             "dimension(s)")
+        counts, displs = counts_displs(int(shape[axis]), self.size)
+        output = [int(s) for s in shape]
+        output[axis] = self.size * counts[self.rank]
+        return tuple(counts), tuple(displs), tuple(output)
+
     def _check_root(self, root: object) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
             raise TypeError(f"root must be an integer rank, got {type(root).__name__}")

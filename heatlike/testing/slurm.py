@@ -65,6 +65,7 @@ PACKAGES = "slurmctld slurmd slurm-client munge"
 _KEEP_SLURM = ("SLURM_CONF",)
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE")
+REQUEUE_SETTLE_S = 3.0  # a final state seen this long apart twice has settled
 # pending reasons of a job that asks for more than the cluster has: cancelled at once
 NEVER_STARTS = ("PartitionNodeLimit", "PartitionConfig", "BadConstraints", "PartitionTimeLimit")
 
@@ -316,6 +317,18 @@ class Slurm:
             raise ClusterError(f"SLURM: no job {job_id}: {(done.stderr or done.stdout).strip()}")
         return dict(m.groups() for m in re.finditer(r"(\w+(?::\w+)?)=(\S*)", done.stdout))
 
+    def log_lines(self, job_id: int, last: int = 30) -> list[str]:
+        """The last ``last`` lines of the controller's and the nodes' logs that name job
+        ``job_id`` (for failure reports)."""
+        pattern = re.compile(rf"(JobId={job_id}\b|job[ _]?{job_id}\b|StepId={job_id}\.)",
+                             re.IGNORECASE)
+        lines = []
+        for log in sorted(self.dir.glob("slurm*.log")):
+            with contextlib.suppress(OSError):
+                lines += [f"{log.name}: {line}" for line in
+                          log.read_text(errors="replace").splitlines() if pattern.search(line)]
+        return lines[-last:]
+
     def submit(self, script: str | os.PathLike, options: Sequence[str] = (), *,
                env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
                output: str | os.PathLike | None = None) -> int:
@@ -354,6 +367,19 @@ class Slurm:
                            env=self.environment(), timeout=30, capture_output=True, check=False)
         return info
 
+    def ended(self, job_id: int, release_requeued: bool = True) -> tuple[bool, dict[str, str]]:
+        """``(whether the job has ended, its fields)``. A final state counts once it holds a
+        second look later (with no new restart): around a requeue the controller can show one
+        before the job is pending again."""
+        info = self.poll(job_id, release_requeued)
+        if info.get("JobState") not in FINAL_STATES:
+            return False, info
+        time.sleep(REQUEUE_SETTLE_S)
+        again = self.poll(job_id, release_requeued)
+        settled = again.get("JobState") in FINAL_STATES and \
+            again.get("Restarts") == info.get("Restarts")
+        return settled, again
+
     def wait(self, job_id: int, timeout: float = 600,
              release_requeued: bool = True) -> BatchResult:
         """Wait until the job has ended (requeues included) and return what it did. After
@@ -363,7 +389,8 @@ class Slurm:
         before, machine, t0, out = self._submitted.pop(job_id)
         deadline = time.monotonic() + timeout
         reason = ""
-        while (info := self.poll(job_id, release_requeued)).get("JobState") not in FINAL_STATES:
+        while not (found := self.ended(job_id, release_requeued))[0]:
+            info = found[1]
             never = info.get("JobState") == "PENDING" and info.get("Reason") in NEVER_STARTS
             if never:
                 reason = info["Reason"]
@@ -372,6 +399,7 @@ class Slurm:
                                timeout=30, check=False)
                 deadline = float("inf")  # wait for the cancellation to land
             time.sleep(0.5)
+        info = found[1]
         seconds = time.monotonic() - t0
         after = self.cluster.traffic()
         path = Path(str(out).replace("%j", str(job_id)).replace("%x", info.get("JobName", "")))
