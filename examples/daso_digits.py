@@ -3,10 +3,12 @@ averaging between nodes every few batches in bfloat16, merged when it arrives.
 
     mpiexec -n 4 env HEATLIKE_RANKS_PER_NODE=2 python -m heatlike examples/daso_digits.py \\
         [--epochs 16] [--warmup 2] [--cooldown 2] [--batch-size 16] [--lr 0.05] [--verbose]
+        [--device auto|cpu|cuda]
 
 On a cluster the nodes are found by themselves (``srun --ntasks-per-node=4 ...``); on one machine
-``HEATLIKE_RANKS_PER_NODE`` emulates them. Rank 0 prints each epoch's loss, accuracy and DASO's
-schedule, then ``test accuracy: 0.XXXX``.
+``HEATLIKE_RANKS_PER_NODE`` emulates them. ``--device auto`` (the default) trains on each rank's
+GPU (its local rank's) when every rank has one, else on the CPU. Rank 0 prints each epoch's
+loss, accuracy and DASO's schedule, then ``test accuracy: 0.XXXX``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import heatlike as hl
 from heatlike.nn import DataParallelMultiGPU
 from heatlike.optim import DASO
 from heatlike.recipes import evaluate, load_digits_split, mlp
-from heatlike.utils import configure_threads
+from heatlike.utils import DEVICE_CHOICES, configure_threads, select_device
 from heatlike.utils.data import DataLoader, Dataset
 
 
@@ -39,12 +41,16 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--verbose", action="store_true", help="print DASO's schedule decisions")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
+                        "has a GPU, else cpu (default auto)")
     args = p.parse_args(argv)
     comm = hl.MPI_WORLD
     configure_threads()
+    device = select_device(args.device, comm)
     log = hl.get_logger("daso-digits")
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    net = mlp([64, 128, 64, 10], args.seed)
+    net = mlp([64, 128, 64, 10], args.seed).to(device)
     local = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     daso = DASO(local, total_epochs=args.epochs, comm=comm, warmup_epochs=args.warmup,
                 cooldown_epochs=args.cooldown, verbose=args.verbose)
@@ -52,14 +58,15 @@ def main(argv: list[str] | None = None) -> float:
     loader = DataLoader(Dataset(x_train, y_train), batch_size=args.batch_size, seed=args.seed)
     daso.last_batch = len(loader)
     topo = daso.topology
-    log.info("%d ranks on %d node(s) of %s ranks", comm.size, topo.num_nodes,
-             list(topo.local_sizes))
+    log.info("%d ranks on %d node(s) of %s ranks, on %s", comm.size, topo.num_nodes,
+             list(topo.local_sizes), device.type)
     loss_fn = nn.CrossEntropyLoss()
     accuracy = 0.0
     for epoch in range(args.epochs):
         model.train()
         total = torch.zeros(2, dtype=torch.float64)
         for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
             daso.zero_grad()
             loss = loss_fn(model(xb), yb)
             loss.backward()

@@ -2,13 +2,15 @@
 
     mpiexec -n 4 python -m heatlike examples/digits.py [--epochs 30] [--batch-size 16]
         [--lr 0.05] [--blocking] [--optimizer sgd|adam] [--seed 0] [--progress]
+        [--device auto|cpu|cuda]
 
 Every rank trains the same model on its slice of each global batch (``--batch-size`` samples per
 rank); heatlike.nn.DataParallel averages the gradients, so the run follows single-process training
 with a batch of ranks x batch-size samples. ``--algorithm NAME`` trains with any other algorithm
 of heatlike (PowerSGD, top-k, sign, gossip, ...; see ``--help``) instead. The test set is
-evaluated in shards, one per rank, combined with an all-reduce. Rank 0 prints the loss and test
-accuracy of every epoch and finally ``test accuracy: 0.XXXX``.
+evaluated in shards, one per rank, combined with an all-reduce. ``--device auto`` (the default)
+trains on each rank's GPU (its local rank's) when every rank has one, else on the CPU. Rank 0
+prints the loss and test accuracy of every epoch and finally ``test accuracy: 0.XXXX``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from heatlike.core.topology import get_topology
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
 from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, mlp, train_digits
-from heatlike.utils import configure_threads
+from heatlike.utils import DEVICE_CHOICES, configure_threads, select_device
 from heatlike.utils.data import DataLoader, Dataset
 
 
@@ -51,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--progress", action="store_true", help="tqdm bar per epoch on rank 0")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
+                        "has a GPU, else cpu (default auto)")
     p.add_argument("--algorithm", choices=sorted(ALGORITHMS), metavar="NAME",
                    help="train with this algorithm of heatlike.recipes instead (see "
                         "below), e.g. powersgd-2, topk-1%%, decentralized")
@@ -70,18 +75,21 @@ def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     comm = hl.MPI_WORLD
     configure_threads()
+    device = select_device(args.device, comm)
     log = hl.get_logger("digits")
     nodes = get_topology(comm).num_nodes
     if args.algorithm:
-        log.info("%d ranks on %d node(s) x batch %d, %s: %s, %d epochs", comm.size, nodes,
-                 args.batch_size, args.algorithm, ALGORITHMS[args.algorithm][1], args.epochs)
+        log.info("%d ranks on %d node(s) x batch %d, %s: %s, %d epochs, on %s", comm.size,
+                 nodes, args.batch_size, args.algorithm, ALGORITHMS[args.algorithm][1],
+                 args.epochs, device.type)
         result = train_digits(args.algorithm, comm, epochs=args.epochs,
-                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                              batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                              device=device)
         if comm.rank == 0:
             print(f"test accuracy: {result.accuracy:.4f}", flush=True)
         return result.accuracy
     x_train, y_train, x_test, y_test = load_data(args.seed)
-    net = build_model(args.seed)
+    net = build_model(args.seed).to(device)
     if args.optimizer == "sgd":
         inner = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     else:
@@ -92,15 +100,16 @@ def main(argv: list[str] | None = None) -> float:
                         progress=args.progress)
     loss_fn = nn.CrossEntropyLoss()
     mode = "blocking" if args.blocking else "non-blocking"
-    log.info("%d ranks on %d node(s) x batch %d = global batch %d, %s %s, %d epochs", comm.size,
-             nodes, args.batch_size, comm.size * args.batch_size, mode, args.optimizer,
-             args.epochs)
+    log.info("%d ranks on %d node(s) x batch %d = global batch %d, %s %s, %d epochs, on %s",
+             comm.size, nodes, args.batch_size, comm.size * args.batch_size, mode,
+             args.optimizer, args.epochs, device.type)
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(args.epochs):
         model.train()
         total = torch.zeros(2, dtype=torch.float64)
         for xb, yb in loader:
+            xb, yb = xb.to(device), yb.to(device)
             optimizer.zero_grad()
             loss = loss_fn(model(xb), yb)
             loss.backward()

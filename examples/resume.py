@@ -8,8 +8,9 @@ Run it, stop it (``--stop-after N`` stops after step N as a preempted job would,
 run the same command again: it prints where it resumed and ends with the same parameters
 (``final parameters sha256``) as a run that was never interrupted. Under SLURM this is the
 payload of ``scripts/slurm/requeue.sbatch``: the job requeues itself before its time limit and
-the next run resumes. ``--algorithm`` takes every algorithm of ``heatlike.recipes``
-(DataParallel, DASO, the mlbench and SINGA optimizers; listed below).
+the next run resumes. ``--device auto`` (the default) trains on each rank's GPU (its local
+rank's) when every rank has one, else on the CPU. ``--algorithm`` takes every algorithm of
+``heatlike.recipes`` (DataParallel, DASO, the mlbench and SINGA optimizers; listed below).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 import heatlike as hl
 from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, make_runner, mlp
-from heatlike.utils import checkpoint
+from heatlike.utils import DEVICE_CHOICES, checkpoint, select_device
 from heatlike.utils.data import DataLoader, Dataset
 
 
@@ -59,11 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=0,
                         help="SIGKILL the last rank at this step, a crash between two saves "
                              "(default 0: never)")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                        help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
+                             "has a GPU, else cpu (default auto)")
     args = parser.parse_args(argv)
 
     comm = hl.MPI_WORLD
+    device = select_device(args.device, comm)
     x_train, y_train, x_test, y_test = load_digits_split()
-    net = mlp([64, 128, 64, 10])
+    net = mlp([64, 128, 64, 10]).to(device)
     runner = make_runner(args.algorithm, net, comm, args.lr, epochs=args.epochs)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=args.batch_size, seed=0)
     step, losses = 0, []
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     while loader.epoch < args.epochs:
         runner.start_epoch(len(loader))
         for xb, yb in loader:
-            losses.append(runner.train_step(xb, yb))
+            losses.append(runner.train_step(xb.to(device), yb.to(device)))
             step += 1
             if args.kill_at and step == args.kill_at and comm.rank == comm.size - 1:
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -78,11 +78,13 @@ def mlp(widths: list[int], seed: int = 0) -> nn.Sequential:
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
              comm: MPICommunication) -> float:
-    """Accuracy over the whole test set; each rank scores its shard, one all-reduce."""
+    """Accuracy over the whole test set; each rank scores its shard (moved to the model's device
+    and dtype), one all-reduce."""
     _, _, shard = comm.chunk(x.shape, 0)
     xs = x[shard]
-    dtype = next(model.parameters()).dtype
-    correct = (model(xs.to(dtype)).argmax(1) == y[shard[0]]).sum().item()
+    first = next(model.parameters())
+    scores = model(xs.to(first.device, first.dtype))
+    correct = (scores.argmax(1) == y[shard[0]].to(first.device)).sum().item()
     counts = torch.tensor([correct, xs.shape[0]], dtype=torch.float64)
     comm.Allreduce(IN_PLACE, counts, MPI.SUM)
     return float(counts[0] / counts[1])
@@ -509,9 +511,11 @@ class TrainResult:
 
 
 def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, seed: int = 0,
-               curve: bool = True, target: float | None = None) -> TrainResult:
+               curve: bool = True, target: float | None = None,
+               device: torch.device | str | None = None) -> TrainResult:
     """Train ``task``'s model with algorithm ``name`` for ``epochs`` epochs, or until the test
-    accuracy reaches ``target`` (checked after every epoch). With ``curve``, every epoch ends with
+    accuracy reaches ``target`` (checked after every epoch), on ``device`` (default: the CPU; see
+    :func:`heatlike.utils.select_device`). With ``curve``, every epoch ends with
     a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
     epoch times are measured between a barrier and the slowest rank's end). Returns the final
     accuracy, every step's time on this rank and the mean bytes per step."""
@@ -521,6 +525,8 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
 
     x_train, y_train, x_test, y_test = task.data
     net = task.build(seed)
+    if device is not None:
+        net = net.to(device)
     runner = make_runner(name, net, comm, task.lr, epochs)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed)
     times: list[float] = []
@@ -535,6 +541,8 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
         losses = []
         for xb, yb in loader:
             start = time.perf_counter()
+            if device is not None:
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             losses.append(runner.train_step(xb, yb))
             times.append(time.perf_counter() - start)
         runner.end_epoch(sum(losses) / len(losses))
@@ -552,9 +560,11 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
 
 def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size: int = 16,
                  lr: float = 0.05, seed: int = 0, hidden: tuple[int, int] = (128, 64),
-                 data=None, curve: bool = False) -> TrainResult:
-    """Train the digits MLP with algorithm ``name``; the final test accuracy, every step's time
-    and the mean bytes per step (and, with ``curve``, the accuracy after every epoch)."""
+                 data=None, curve: bool = False,
+                 device: torch.device | str | None = None) -> TrainResult:
+    """Train the digits MLP with algorithm ``name`` on ``device``; the final test accuracy, every
+    step's time and the mean bytes per step (and, with ``curve``, the accuracy after every
+    epoch)."""
     task = digits_task(seed, data, hidden)
     task.batch_size, task.lr = batch_size, lr
-    return train_task(name, comm, task, epochs, seed, curve=curve)
+    return train_task(name, comm, task, epochs, seed, curve=curve, device=device)

@@ -39,9 +39,11 @@ def test_digits_example_learns(mode):
     accuracy = float(out.split("test accuracy: ")[-1].split()[0])
     assert accuracy >= 0.9, out
     assert "epoch  8/8" in out, out
+    assert "epochs, on cpu" in out or "epochs, on cuda" in out, out  # --device auto
 
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+TRAINING = ("digits.py", "daso_digits.py", "resume.py")  # each takes --device
 
 
 @pytest.mark.system
@@ -63,6 +65,8 @@ def test_every_example_explains_itself_with_help():
         # the description is the module docstring, complete (not cut after its first line)
         doc = ast.get_docstring(ast.parse((ROOT / "examples" / name).read_text()))
         assert " ".join(doc.split()) in " ".join(stdout.split()), out
+        if name in TRAINING:
+            assert "--device {auto,cpu,cuda}" in stdout, out
 
 
 def test_bench_progress_bars_only_on_a_terminal(monkeypatch, capsys):

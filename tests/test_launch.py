@@ -76,3 +76,62 @@ def test_threads_share_the_cores_a_rank_may_run_on(monkeypatch, bound):
     finally:
         torch.set_num_threads(before)
     assert threads == 4  # 4 * local_size cores shared by local_size ranks, or 4 of its own
+
+
+def _fake_gpus(monkeypatch, count: int) -> list:
+    """torch.cuda as seen by a rank with ``count`` GPUs; returns the devices made current."""
+    import torch
+
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    return current
+
+
+@pytest.mark.mpi
+def test_select_device_on_cpus_and_its_errors(comm):
+    import torch
+
+    from heatlike.utils import select_device
+
+    assert select_device("cpu", comm) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert select_device("auto", comm) == torch.device("cpu")
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[0.*see no CUDA device"):
+            select_device("cuda", comm)
+    with pytest.raises(ValueError, match="auto, cpu, cuda"):
+        select_device("gpu", comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_select_device_gives_each_rank_its_local_ranks_gpu(comm, monkeypatch, gpus):
+    """Every rank sees ``gpus`` GPUs: rank r of its node gets GPU r % gpus, made current;
+    "auto" picks the same."""
+    from mpi4py import MPI
+
+    from heatlike.utils import select_device
+
+    node = comm.handle.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_rank()
+    node.Free()
+    current = _fake_gpus(monkeypatch, gpus)
+    for choice in ("cuda", "auto"):
+        device = select_device(choice, comm)
+        assert (device.type, device.index) == ("cuda", local % gpus)
+    assert current == [device, device]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_select_device_never_mixes_cpus_and_gpus(comm, monkeypatch):
+    """Only rank 0 has a GPU: "auto" trains on the CPU everywhere, "cuda" fails everywhere,
+    naming the ranks without one."""
+    import torch
+
+    from heatlike.utils import select_device
+
+    _fake_gpus(monkeypatch, 1 if comm.rank == 0 else 0)
+    assert select_device("auto", comm) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match=r"on rank 0: .*rank\(s\) \[1"):
+        select_device("cuda", comm)

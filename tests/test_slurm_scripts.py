@@ -135,17 +135,23 @@ DRY_RUNS = {
 }
 
 
-@pytest.mark.parametrize("script", sorted(DRY_RUNS))
-def test_default_srun_commands_in_an_allocation(tmp_path, script):
-    """Inside an (emulated) allocation of 6 nodes x 4 tasks x 8 cores with no LAUNCH set, each
-    script runs in the submit directory and calls srun as documented (srun is a stub here)."""
-    settings, expected = DRY_RUNS[script]
+def _srun_stub(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(directory with a recording srun stub, the file it records calls in, a submit dir)."""
     stub_dir, calls = tmp_path / "bin", tmp_path / "srun.calls"
     stub_dir.mkdir()
     (stub_dir / "srun").write_text(SRUN_STUB.format(python=sys.executable, calls=str(calls)))
     (stub_dir / "srun").chmod(0o755)
     submit = tmp_path / "submit"
     submit.mkdir()
+    return stub_dir, calls, submit
+
+
+@pytest.mark.parametrize("script", sorted(DRY_RUNS))
+def test_default_srun_commands_in_an_allocation(tmp_path, script):
+    """Inside an (emulated) allocation of 6 nodes x 4 tasks x 8 cores with no LAUNCH set, each
+    script runs in the submit directory and calls srun as documented (srun is a stub here)."""
+    settings, expected = DRY_RUNS[script]
+    stub_dir, calls, submit = _srun_stub(tmp_path)
     env = _env(SLURM_JOB_ID="99", SLURM_SUBMIT_DIR=str(submit), SLURM_JOB_NUM_NODES="6",
                SLURM_NNODES="6", SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_PER_TASK="8",
                **settings)
@@ -161,6 +167,24 @@ def test_default_srun_commands_in_an_allocation(tmp_path, script):
         got.append(" ".join(["srun", *argv]))
         assert record["omp"] == "8" and record["cwd"] == str(submit), (record, out)
     assert got == [line.format(sub=submit) for line in expected], out
+
+
+def test_gpu_script_trains_the_digits_example_on_gpus_by_default(tmp_path):
+    """Without SCRIPT the GPU job trains examples/digits.py with --device cuda after the check;
+    SCRIPT= (empty) runs the check only."""
+    stub_dir, calls, submit = _srun_stub(tmp_path)
+    for settings, expected in (({}, 2), ({"SCRIPT": ""}, 1)):
+        calls.unlink(missing_ok=True)
+        env = _env(SLURM_JOB_ID="99", SLURM_SUBMIT_DIR=str(submit), SLURM_CPUS_PER_TASK="8",
+                   **settings)
+        del env["LAUNCH"]
+        env["PATH"] = f"{stub_dir}{os.pathsep}{env['PATH']}"
+        out = _run("gpu.sbatch", tmp_path, env, timeout=60)
+        argvs = [json.loads(line)["argv"] for line in calls.read_text().splitlines()]
+        assert len(argvs) == expected, out
+        if expected == 2:
+            assert argvs[1][-4:] == ["heatlike", f"{submit}/examples/digits.py", "--device",
+                                     "cuda"], (argvs, out)
 
 
 def test_gpu_script_binds_one_gpu_per_rank():

@@ -1,4 +1,10 @@
 """Utilities: launching with abort-on-error, data loading, step tracking."""
 
-from .launch import abort_on_exception, configure_threads, install_abort_handler  # noqa: F401
+from .launch import (  # noqa: F401
+    DEVICE_CHOICES,
+    abort_on_exception,
+    configure_threads,
+    install_abort_handler,
+    select_device,
+)
 from .tracker import Tracker  # noqa: F401

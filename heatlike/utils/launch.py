@@ -26,7 +26,7 @@ from mpi4py import MPI
 from ..core import checks as _checks
 
 __all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script",
-           "configure_threads"]
+           "configure_threads", "select_device", "DEVICE_CHOICES"]
 
 
 def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
@@ -120,3 +120,46 @@ def configure_threads(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
     threads = max(1, len(mine) // max(sharing, 1))
     torch.set_num_threads(threads)
     return threads
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def select_device(choice: str = "auto", comm=None):
+    """The torch device this rank computes on (collective over ``comm``, default the world).
+
+    * ``"cpu"``;
+    * ``"cuda"``: the GPU of this rank's local rank on its node, modulo the GPUs the rank sees
+      (one GPU per rank where the launcher gives each its own, e.g. ``srun --gpus-per-task=1`` or
+      ``CUDA_VISIBLE_DEVICES``; the node's GPUs shared round-robin otherwise), made the current
+      CUDA device;
+    * ``"auto"``: ``"cuda"`` when every rank sees a GPU, else ``"cpu"`` (never a mix).
+
+    Another choice raises ValueError, ``"cuda"`` where some rank sees no GPU RuntimeError naming
+    those ranks, on every rank."""
+    import torch
+
+    from ..core.agreement import raise_together
+    from ..core.communication import sanitize_comm
+
+    comm = sanitize_comm(comm)
+    error = None
+    if choice not in DEVICE_CHOICES:
+        error = ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    everyone = comm.handle.allgather(gpus)
+    if error is None and choice == "cuda" and min(everyone) == 0:
+        without = [r for r, n in enumerate(everyone) if n == 0]
+        error = RuntimeError(f"device 'cuda': rank(s) {without[:8]} see no CUDA device")
+    raise_together(error, comm)
+    if choice == "cpu" or min(everyone) == 0:
+        return torch.device("cpu")
+    node = comm.handle.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_rank = node.Get_rank()
+    finally:
+        node.Free()
+    device = torch.device("cuda", local_rank % gpus)
+    torch.cuda.set_device(device)
+    return device
+
