@@ -290,6 +290,18 @@ def test_dndarray_against_heat_runs_every_case_or_says_why_not(comm, capsys):
     assert all(v > 0 and math.isfinite(v) for v in ratios.values())
 
 
+def test_gpu_suite_runs_only_where_every_rank_has_a_gpu(comm, capsys):
+    from heatlike.bench import gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tests/test_cuda.py runs the suite")
+    results = Results()
+    gpu.run(results, quick=True)
+    assert not results.records
+    if comm.rank == 0:
+        assert "# gpu: skipped: no CUDA device on rank(s) [0" in capsys.readouterr().out
+
+
 def test_tiny_time_to_accuracy_run(comm):
     task = Task("tiny", load_synthetic_split(0, samples=240, features=16), [16, 32, 10],
                 batch_size=16, lr=0.1)

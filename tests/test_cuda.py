@@ -88,3 +88,23 @@ def test_cupy_arrays(comm):
         z = cupy.zeros(12, dtype=cupy.float32)[::2]
         comm.Allreduce(x, z)
         assert bool((z == sum(range(1, comm.size + 1))).all())
+
+
+@needs_cuda
+def test_gpu_benchmark_suite_and_the_examples_device(comm):
+    """The gpu suite runs (quick) and records every all-reduce size and both models; the digits
+    recipe trains on the rank's GPU."""
+    from heatlike.bench import gpu
+    from heatlike.bench._common import Results
+    from heatlike.recipes import train_digits
+    from heatlike.utils import select_device
+
+    results = Results()
+    gpu.run(results, quick=True)
+    ratios = {(r.case, r.metric) for r in results.records if r.unit == "ratio"}
+    assert {("4 KiB", "allreduce cuda/host"), ("mlp-5M", "heatlike/ddp"),
+            ("mlp-100K", "heatlike/ddp")} <= ratios
+    device = select_device("cuda", comm)
+    assert device.type == "cuda"
+    result = train_digits("allreduce", comm, epochs=2, device=device)
+    assert result.accuracy > 0.8

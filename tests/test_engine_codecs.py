@@ -354,7 +354,7 @@ def test_fixed_gather_packs_mixed_dtypes_into_one_allgather(comm, monkeypatch):
                         lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     red = AllReduce(comm, op="sum")
     result = drive_gather(red, parts_of(comm.rank), variable=False)
-    assert len(calls) == 1
+    assert len(calls) == (1 if comm.size > 1 else 0)  # one rank: copies, no collective
     assert red.bytes_sent == sum(t.numel() * t.element_size() for t in parts_of(0))
     for r in range(comm.size):
         for got, expected in zip(result[r], parts_of(r), strict=True):
@@ -379,7 +379,9 @@ def test_bucket_flags_are_summed_exactly(comm, monkeypatch, make):
                   state=codec.state_for(0))
     Request(exchange(_x(comm.rank, 16), codec, reducer, ctx, flags)).Wait()
     assert flags.tolist() == [comm.size, comm.size // 2, 0]
-    if isinstance(codec, RandomK) and codec.shared:  # a sum: the flags' own all-reduce
+    if comm.size == 1:  # nothing to exchange
+        assert calls == {"Iallgather": 0, "Iallreduce": 0}
+    elif isinstance(codec, RandomK) and codec.shared:  # a sum: the flags' own all-reduce
         assert calls["Iallreduce"] == 2
     else:
         assert calls["Iallreduce"] == 0 and calls["Iallgather"] >= 1
@@ -601,3 +603,33 @@ def test_largest_selects_exactly_what_topk_selects():
                                        equal_nan=True, msg=f"{name}, k={k}")
     nan_first = largest(with_nan, 3)
     assert sorted(nan_first.tolist()) == [7, 70_000, 299_999]
+
+
+@pytest.mark.parametrize("name", sorted(NONFINITE_CODECS))
+def test_one_rank_exchanges_call_no_collective(name, monkeypatch):
+    """On a one-rank communicator every codec's exchange gives its one-rank result (the codec
+    applied to the rank's own values) without calling MPI, so device buffers are never staged."""
+    self_comm = hl.MPI_SELF
+    calls = []
+    for op in ("Iallreduce", "Iallgather", "Iallgatherv"):
+        monkeypatch.setattr(type(self_comm), op, lambda *a, _op=op, **k: calls.append(_op))
+    x = _x(0, 64)
+    got = _run(NONFINITE_CODECS[name](), x.clone(), self_comm,
+               reducer=AllReduce(self_comm, op="avg"))
+    assert not calls
+    if name in ("identity", "powersgd"):  # 1-D tensors travel exactly through PowerSGD
+        assert torch.equal(got, x)
+    elif name in ("bf16", "fp16"):
+        assert torch.equal(got, x.to(torch.bfloat16 if name == "bf16" else torch.float16).float())
+    elif name.startswith("sign") or name == "scaled-sign":
+        scale = x.abs().mean() if name == "scaled-sign" else 1.0
+        assert torch.allclose(got, scale * torch.sign(x))
+    else:  # sparsifiers: k (or the threshold's) entries of x, zeros elsewhere
+        kept = got != 0
+        assert torch.equal(got[kept], x[kept])
+        if name == "topk":
+            assert set(kept.nonzero().view(-1).tolist()) == set(x.abs().topk(2).indices.tolist())
+        elif name == "threshold":
+            assert torch.equal(kept, x.abs() >= 1.0)
+        else:
+            assert int(kept.sum()) == 2

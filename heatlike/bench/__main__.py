@@ -12,6 +12,8 @@ Suites:
               installed): step time side by side
   costmodel   alpha-beta model of every algorithm's step time at 8 .. 4096 ranks (a model, not a
               measurement) next to the step times measured here
+  gpu         CUDA tensors: staged (or direct) against host all-reduce by size, DataParallel
+              against DDP on the GPU (skipped unless every rank sees a GPU)
   all         every suite above, in this order
   cluster     run alone, as root, not under mpiexec: the algorithms on a virtual cluster of two
               nodes whose traffic crosses rate-limited links (1 and 10 Gbit/s): step time,
@@ -33,12 +35,12 @@ import time
 
 from mpi4py import MPI
 
-from . import algorithms, comm, costmodel, daso, dndarray, dp, mlbench, tta
+from . import algorithms, comm, costmodel, daso, dndarray, dp, gpu, mlbench, tta
 from ._common import Results, detect_layout, say, set_progress
 
 SUITES = {"comm": comm.run, "dndarray": dndarray.run, "dp": dp.run, "daso": daso.run,
           "algorithms": algorithms.run, "mlbench": mlbench.run, "tta": tta.run,
-          "costmodel": costmodel.run}
+          "costmodel": costmodel.run, "gpu": gpu.run}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -169,11 +169,15 @@ def oversubscription_note(comm: MPI.Intracomm = MPI.COMM_WORLD) -> str | None:
 
 
 def timed_rounds(variants: dict[str, Callable[[], None]], iters: int, rounds: int,
-                 comm: MPI.Intracomm = MPI.COMM_WORLD, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each variant (max over ranks per round, rounds interleaved)."""
+                 comm: MPI.Intracomm = MPI.COMM_WORLD, warmup: int = 2,
+                 finish: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median seconds per call of each variant (max over ranks per round, rounds interleaved);
+    ``finish`` (e.g. ``torch.cuda.synchronize``) runs before each clock stops."""
     for fn in variants.values():
         for _ in range(warmup):
             fn()
+    if finish is not None:
+        finish()
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
@@ -181,6 +185,8 @@ def timed_rounds(variants: dict[str, Callable[[], None]], iters: int, rounds: in
             start = time.perf_counter()
             for _ in range(iters):
                 fn()
+            if finish is not None:
+                finish()
             elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
             samples[name].append(elapsed / iters)
     return {name: statistics.median(s) for name, s in samples.items()}

@@ -83,12 +83,19 @@ class Reducer:
         yield (channel or self.comm).Iallreduce(IN_PLACE, t, MPI.SUM)
 
     def start_flags(self, flags: torch.Tensor, channel=None) -> Request:
-        """Start the exact sum of per-parameter use counters."""
-        return (self._world(channel) or self.comm).Iallreduce(IN_PLACE, flags, MPI.SUM)
+        """Start the exact sum of per-parameter use counters (nothing to do on one rank)."""
+        comm = self._world(channel) or self.comm
+        if comm.size == 1:
+            return Request(iter(()))
+        return comm.Iallreduce(IN_PLACE, flags, MPI.SUM)
 
     def gather(self, tensors: list[torch.Tensor], variable: bool = False, channel=None):
-        """Operation returning ``result[r][i]``: tensor i of rank r."""
+        """Operation returning ``result[r][i]``: tensor i of rank r. On one rank: copies of
+        ``tensors``, no communication (and no staging of device buffers)."""
         comm = self._world(channel) or self.comm
+        if comm.size == 1:
+            self.bytes_sent += sum(_nbytes(t) for t in tensors)
+            return [[t.clone() for t in tensors]]
         if not variable and len(tensors) > 1 and len({t.device for t in tensors}) == 1:
             return (yield from self._gather_packed(tensors, comm))
         parts = []
@@ -191,6 +198,8 @@ class AllReduce(Reducer):
         bytes; MPI's own all-reduce otherwise (for float32 already topology-aware in the common
         MPI libraries)."""
         self.bytes_sent += _nbytes(t)
+        if (self._world(channel) or self.comm).size == 1:  # the sum of one rank: no staging
+            return
         if isinstance(channel, dict) and t.dtype in (torch.float16, torch.bfloat16):
             yield from node_aware_sum(t, _OPS[self.op], channel["node"], channel["cross"])
         else:
