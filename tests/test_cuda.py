@@ -30,6 +30,14 @@ def test_detection_asks_the_library_and_honours_the_override(monkeypatch):
     cuda_aware.refresh()
 
 
+def test_assumed_overrides_the_answer_inside_its_block():
+    before = cuda_aware.cuda_aware()
+    for aware in (True, False):
+        with cuda_aware.assumed(aware):
+            assert cuda_aware.cuda_aware() is aware
+        assert cuda_aware.cuda_aware() == before
+
+
 def test_loaded_mpi_library_is_found():
     """The ctypes probe looks at the libmpi mpi4py actually loaded."""
     libs = cuda_aware._loaded_mpi_libraries()

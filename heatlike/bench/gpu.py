@@ -7,7 +7,7 @@ it is CUDA-aware (device buffers handed to MPI directly) or not (staged through 
 * **all-reduce by size** (4 KiB to 64 MiB of float32): ``MPICommunication.Allreduce`` of a CUDA
   tensor against the same all-reduce of a host tensor, and their ratio (what staging, or the
   library's device path, costs); where the library is CUDA-aware, also the CUDA tensor forced
-  through host staging (``HEATLIKE_CUDA_AWARE_MPI=0``) against the direct path;
+  through host staging (``heatlike.core.cuda_aware.assumed(False)``) against the direct path;
 * **DataParallel against DDP** on the GPU: the MLPs of the ``dp`` suite (about 100K and 5M
   parameters, batch 32 per rank), heatlike's blocking DataParallel against PyTorch DDP on gloo
   (DDP's CPU-communication backend, what runs alongside an MPI job), median step time and ratio;
@@ -17,8 +17,6 @@ Medians over interleaved rounds, each timed by its slowest rank after ``torch.cu
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from mpi4py import MPI
@@ -42,17 +40,8 @@ def _timed(variants: dict, iters: int, rounds: int) -> dict[str, float]:
 def _staged_for(device_fn):
     """``device_fn`` run with device buffers forced through host staging."""
     def run() -> None:
-        previous = os.environ.get("HEATLIKE_CUDA_AWARE_MPI")
-        os.environ["HEATLIKE_CUDA_AWARE_MPI"] = "0"
-        cuda_aware.refresh()
-        try:
+        with cuda_aware.assumed(False):
             device_fn()
-        finally:
-            if previous is None:
-                os.environ.pop("HEATLIKE_CUDA_AWARE_MPI", None)
-            else:
-                os.environ["HEATLIKE_CUDA_AWARE_MPI"] = previous
-            cuda_aware.refresh()
     return run
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections.abc import Iterator
 
 from mpi4py import MPI
 
 from .env import env_flag
 
-__all__ = ["cuda_aware", "query_library", "refresh"]
+__all__ = ["cuda_aware", "query_library", "refresh", "assumed"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 _cached: bool | None = None
@@ -84,6 +85,19 @@ def cuda_aware() -> bool:
         forced = _from_environment()
         _cached = forced if forced is not None else bool(query_library())
     return _cached
+
+
+@contextlib.contextmanager
+def assumed(aware: bool) -> Iterator[None]:
+    """Inside the block, hand device buffers to MPI directly (``True``) or stage them through
+    host memory (``False``), whatever the library says (benchmarks: direct against staged)."""
+    global _cached
+    previous = cuda_aware()
+    _cached = bool(aware)
+    try:
+        yield
+    finally:
+        _cached = previous
 
 
 def refresh() -> bool:
