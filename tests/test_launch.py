@@ -135,3 +135,14 @@ def test_select_device_never_mixes_cpus_and_gpus(comm, monkeypatch):
     assert select_device("auto", comm) == torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"on rank 0: .*rank\(s\) \[1"):
         select_device("cuda", comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_select_device_refuses_different_choices_on_different_ranks(comm, monkeypatch):
+    """One rank asks for the CPU, the others for GPUs they have: every rank raises (none is
+    left waiting in the node split the GPU ranks would enter)."""
+    from heatlike.utils import select_device
+
+    _fake_gpus(monkeypatch, 1)
+    with pytest.raises(ValueError, match="different devices"):
+        select_device("cpu" if comm.rank == 0 else "cuda", comm)

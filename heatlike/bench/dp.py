@@ -48,10 +48,13 @@ def init_gloo(comm: MPI.Intracomm = MPI.COMM_WORLD) -> None:
                             rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
-def _trainer(variant: str, widths: list[int]):
-    """(model, optimizer, finish) for one variant; finish() completes pending updates."""
-    net = mlp(widths)
+def _trainer(variant: str, widths: list[int], device: torch.device | None = None):
+    """(model, optimizer, finish) for one variant ("heatlike-blocking", "heatlike-nonblocking",
+    "ddp" or "bare", the unwrapped model), on ``device``; finish() completes pending updates."""
+    net = mlp(widths) if device is None else mlp(widths).to(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if variant == "bare":
+        return net, opt, lambda: None
     if variant == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

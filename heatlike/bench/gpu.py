@@ -25,7 +25,7 @@ from ..core import cuda_aware
 from ..core.communication import MPI_WORLD
 from ..utils.launch import select_device
 from ._common import Results, describe_environment, say, timed_rounds
-from .dp import MODELS, init_gloo
+from .dp import MODELS, _trainer, init_gloo
 
 SIZES_KIB = (4, 64, 1024, 16 * 1024, 64 * 1024)
 
@@ -73,25 +73,11 @@ def allreduce_by_size(results: Results, device: torch.device, quick: bool) -> No
 
 
 def _stepper(kind: str, widths: list[int], x: torch.Tensor, y: torch.Tensor):
-    """One training step of the MLP ``widths`` on ``x``'s device: heatlike's blocking
-    DataParallel, DDP, or the bare model."""
-    from torch import nn
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..nn import DataParallel
-    from ..optim import DataParallelOptimizer
-    from ..recipes import mlp
-
-    net = mlp(widths, 0).to(x.device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    if kind == "ddp":
-        model = DistributedDataParallel(net)
-    elif kind == "heatlike":
-        opt = DataParallelOptimizer(opt, blocking=True)
-        model = DataParallel(net, MPI_WORLD, optimizer=opt)
-    else:
-        model = net
-    loss_fn = nn.CrossEntropyLoss()
+    """One training step of the ``dp`` suite's ``kind`` ("heatlike" blocking, "ddp", "bare")
+    of the MLP ``widths`` on ``x``'s device."""
+    model, opt, _ = _trainer({"heatlike": "heatlike-blocking"}.get(kind, kind), widths,
+                             x.device)
+    loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()

@@ -132,7 +132,8 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
             result = yield from reducer.gather([*message.tensors, flags], False,
                                                channel=channel)
             reducer.bytes_sent -= flags.numel() * flags.element_size()  # not payload
-            flags.copy_(torch.stack([per_rank[-1] for per_rank in result]).sum(0))
+            flags.copy_(torch.stack([per_rank[-1] for per_rank in result]).sum(
+                0, dtype=torch.float64))
             result = [per_rank[:-1] for per_rank in result]
             riding = False
         else:

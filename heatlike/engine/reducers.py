@@ -252,6 +252,8 @@ class Hierarchical(AllReduce):
         node = channel["node"] if channel else topo.node_comm
         cross = channel["cross"] if channel else topo.cross_comm
         self.bytes_sent += _nbytes(t)
+        if self.comm.size == 1:  # the sum of one rank: no staging
+            return
         if len(set(topo.local_sizes)) == 1:
             yield from node_aware_sum(t, op, node, cross)
             return

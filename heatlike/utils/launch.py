@@ -135,8 +135,8 @@ def select_device(choice: str = "auto", comm=None):
       CUDA device;
     * ``"auto"``: ``"cuda"`` when every rank sees a GPU, else ``"cpu"`` (never a mix).
 
-    Another choice raises ValueError, ``"cuda"`` where some rank sees no GPU RuntimeError naming
-    those ranks, on every rank."""
+    Another choice, or different choices on different ranks, raise ValueError, ``"cuda"`` where
+    some rank sees no GPU RuntimeError naming those ranks, on every rank."""
     import torch
 
     from ..core.agreement import raise_together
@@ -147,7 +147,11 @@ def select_device(choice: str = "auto", comm=None):
     if choice not in DEVICE_CHOICES:
         error = ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    everyone = comm.handle.allgather(gpus)
+    answers = comm.handle.allgather((gpus, choice))
+    everyone = [n for n, _ in answers]
+    if error is None and len({c for _, c in answers}) > 1:  # every rank takes the same path
+        error = ValueError(f"the ranks chose different devices: "
+                           f"{[c for _, c in answers][:8]}")
     if error is None and choice == "cuda" and min(everyone) == 0:
         without = [r for r, n in enumerate(everyone) if n == 0]
         error = RuntimeError(f"device 'cuda': rank(s) {without[:8]} see no CUDA device")
