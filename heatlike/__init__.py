@@ -34,3 +34,7 @@ from .core import (  # noqa: E402, F401
     types,
 )
 from .core.tensor import *  # noqa: F401, F403
+
+# isort: split
+# training, reachable as attributes like Heat's (heatlike.nn.DataParallel, heatlike.optim.DASO)
+from . import nn, optim  # noqa: E402, F401

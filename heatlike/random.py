@@ -379,7 +379,7 @@ def randperm(n: int, dtype: object = None, device: object = None,
     comm.Alltoall(send, recv)
     sc, rc = send.tolist(), recv.tolist()
     got = torch.empty((sum(rc), 2), dtype=torch.int64, device=keys.device)
-    comm.Alltoallv((pairs, [2 * c for c in sc]), (got, [2 * c for c in rc]))
+    comm.Alltoallv((pairs, sc), (got, rc))
     local = got[torch.argsort(got[:, 0], stable=True), 1].contiguous()
     new_counts = tuple(comm.allgather(int(local.numel())))
     out = DNDarray._make(local, (n,), 0, new_counts, comm).balance_()

@@ -112,7 +112,7 @@ def test_reduce_scatter(comm, dtype, layout, inplace):
         np.testing.assert_array_equal(got, expected, err_msg=f"counts={counts}")
 
 
-@pytest.mark.parametrize("op,dtype", [("BAND", torch.float32), ("SUM", torch.bool),
+@pytest.mark.parametrize("op,dtype", [("BAND", torch.float32), ("BOR", torch.bool),
                                       ("MIN", torch.complex64), ("LOR", torch.float64),
                                       ("BXOR", torch.bfloat16), ("MAXLOC", torch.float32)])
 def test_invalid_op_dtype_pairs_raise_everywhere(comm, op, dtype):

@@ -171,7 +171,8 @@ def oversubscription_note(comm: MPI.Intracomm = MPI.COMM_WORLD) -> str | None:
 def timed_rounds(variants: dict[str, Callable[[], None]], iters: int, rounds: int,
                  comm: MPI.Intracomm = MPI.COMM_WORLD, warmup: int = 2,
                  finish: Callable[[], object] | None = None) -> dict[str, float]:
-    """Median seconds per call of each variant (max over ranks per round, rounds interleaved);
+    """Median seconds per call of each variant (max over ranks per round, rounds interleaved,
+    every other round in reverse order so that no variant always runs right after another);
     ``finish`` (e.g. ``torch.cuda.synchronize``) runs before each clock stops."""
     for fn in variants.values():
         for _ in range(warmup):
@@ -179,8 +180,9 @@ def timed_rounds(variants: dict[str, Callable[[], None]], iters: int, rounds: in
     if finish is not None:
         finish()
     samples: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, fn in variants.items():
+    order = list(variants.items())
+    for i in range(rounds):
+        for name, fn in order if i % 2 == 0 else order[::-1]:
             comm.Barrier()
             start = time.perf_counter()
             for _ in range(iters):

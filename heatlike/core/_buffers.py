@@ -2,7 +2,8 @@
 
 Rules (docs/communication.md, "Buffer rules"):
 
-* A user array (torch tensor, numpy array, cupy array) is first seen as a torch tensor over the same
+* A user array (torch tensor, numpy array, cupy array; a DNDarray stands for its local tensor
+  ``larray``) is first seen as a torch tensor over the same
   memory (``torch.from_numpy`` / ``torch.from_dlpack``; no copy). Arrays torch cannot view (numpy
   with negative strides) are copied and written back through their own library.
 * A contiguous tensor in memory MPI can access is handed to MPI by address, storage offset
@@ -90,10 +91,22 @@ def as_tensor(obj: object, arg: str, write: bool = False) -> tuple[torch.Tensor,
         return _numpy_as_tensor(obj, arg, write)
     if _is_cupy(obj):
         return _cupy_as_tensor(obj, arg, write)
+    local = _local_tensor(obj)
+    if local is not None:
+        return as_tensor(local, arg, write)
     if obj is None:
-        raise TypeError(f"{arg} is None; pass a numpy array, torch tensor or cupy array")
-    raise TypeError(f"{arg} must be a numpy array, torch tensor or cupy array, "
+        raise TypeError(f"{arg} is None; pass a numpy array, torch tensor, cupy array or "
+                        "DNDarray")
+    raise TypeError(f"{arg} must be a numpy array, torch tensor, cupy array or DNDarray, "
                     f"got {type(obj).__module__}.{type(obj).__name__}")
+
+
+def _local_tensor(obj: object) -> torch.Tensor | None:
+    """A DNDarray's local tensor (its ``larray``: as in Heat, a DNDarray buffer is this rank's
+    part), or None for anything else."""
+    from .dndarray import DNDarray  # dndarray imports this module
+
+    return obj.larray if isinstance(obj, DNDarray) else None
 
 
 def _check_writable_strides(t: torch.Tensor, arg: str) -> None:

@@ -73,10 +73,10 @@ def _register(op: MPI.Op, name: str, kinds: set) -> None:
     _OPS[op.py2f()] = (name, frozenset(kinds))
 
 
-_register(MPI.SUM, "SUM", _INTEGER | _FLOAT | _COMPLEX)
-_register(MPI.PROD, "PROD", _INTEGER | _FLOAT | _COMPLEX)
-_register(MPI.MIN, "MIN", _INTEGER | _FLOAT)
-_register(MPI.MAX, "MAX", _INTEGER | _FLOAT)
+_register(MPI.SUM, "SUM", _INTEGER | _FLOAT | _COMPLEX | {torch.bool})
+_register(MPI.PROD, "PROD", _INTEGER | _FLOAT | _COMPLEX | {torch.bool})
+_register(MPI.MIN, "MIN", _INTEGER | _FLOAT | {torch.bool})
+_register(MPI.MAX, "MAX", _INTEGER | _FLOAT | {torch.bool})
 _register(MPI.LAND, "LAND", _INTEGER | {torch.bool})
 _register(MPI.LOR, "LOR", _INTEGER | {torch.bool})
 _register(MPI.LXOR, "LXOR", _INTEGER | {torch.bool})
@@ -90,9 +90,23 @@ _UNSUPPORTED_PREDEFINED = {
     MPI.NO_OP.py2f(): "NO_OP",
 }
 
+# bool SUM / MAX are logical or, PROD / MIN logical and (numpy's and Heat's results on bool
+# arrays); MPI defines only its logical ops for bool, so these go to MPI as LOR / LAND
+_BOOL_OPS = {MPI.SUM.py2f(): MPI.LOR, MPI.MAX.py2f(): MPI.LOR,
+             MPI.PROD.py2f(): MPI.LAND, MPI.MIN.py2f(): MPI.LAND}
+
 # predefined op -> {dtype: MPI datatype} for the pairs MPI reduces exactly as heatlike defines
-_DIRECT = {h: {d: _TRANSFER[d] for d in kinds if d not in HALF_DTYPES}
+_DIRECT = {h: {d: _TRANSFER[d] for d in kinds
+               if d not in HALF_DTYPES and not (d is torch.bool and h in _BOOL_OPS)}
            for h, (_, kinds) in _OPS.items()}
+
+
+def mpi_op(dtype: torch.dtype, op: MPI.Op) -> MPI.Op:
+    """The op handed to MPI for reducing ``dtype`` with ``op``: ``op`` itself, except that on
+    bool SUM / MAX become LOR and PROD / MIN become LAND."""
+    if dtype is torch.bool:
+        return _BOOL_OPS.get(op.py2f(), op)
+    return op
 
 _NUMPY_TO_TORCH = {
     np.dtype(np.float32): torch.float32,

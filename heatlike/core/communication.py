@@ -2,9 +2,12 @@
 
 The upper-case methods mirror mpi4py's buffer interface (``Allreduce(sendbuf, recvbuf, op)``,
 ``Bcast(buf, root)``, ...) and accept numpy arrays, torch tensors (CPU and CUDA), cupy arrays and
-``MPI.IN_PLACE`` where MPI allows it. Counts, displacements and block layouts are in *elements*
-of the C-order flattening of the buffer; a collective that concatenates (Allgather, Gather,
-Alltoall) puts rank i's block at element offset ``i * block``.
+``MPI.IN_PLACE`` where MPI allows it; a DNDarray stands for its local tensor (as in Heat). A
+collective that concatenates or cuts (Allgather, Gather, Scatter, Alltoall and their v-forms)
+works on the C order of each buffer viewed with its *axis* in front (Heat's ``axis`` /
+``send_axis`` / ``recv_axis`` keywords, default 0): rank i's block is the i-th run of that order.
+Counts and displacements of the v-forms count *slices along that axis* (rows of a buffer, as in
+Heat; elements of a 1-D buffer); a v-form also takes a plain buffer, cut into equal blocks.
 
 Guarantees (docs/communication.md):
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -50,7 +54,7 @@ from ._buffers import (
     writable,
 )
 from ._dtypes import _DIRECT as _DIRECT_TYPES
-from ._dtypes import HALF_DTYPES, direct_reduction_type, mpi_type, reduction_type
+from ._dtypes import HALF_DTYPES, direct_reduction_type, mpi_op, mpi_type, reduction_type
 from ._requests import Operation, Request, call, drive, test_all, wait_all
 from .chunking import chunk_range, counts_displs
 
@@ -88,22 +92,81 @@ def _int_list(values: object, arg: str, size: int) -> list[int]:
     return out
 
 
-def _vbuffer(obj: object, arg: str, size: int, write: bool):
-    """Parse ``(array, counts)`` or ``(array, counts, displs)`` of a v-collective."""
-    if not isinstance(obj, (tuple, list)) or len(obj) not in (2, 3):
-        raise TypeError(f"{arg} must be (array, counts) or (array, counts, displs)")
-    t, back = as_tensor(obj[0], arg, write)
+def _check_axis(axis: object, arg: str, name: str) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{name}: {arg} must be an integer axis, got {type(axis).__name__}")
+    return int(axis)
+
+
+def _on_axis(t: torch.Tensor, obj: object, axis: int, arg: str, name: str) -> torch.Tensor:
+    """``t`` viewed with ``axis`` swapped to the front (``transpose(0, axis)``, as Heat does): the
+    collective cuts or concatenates along it. Only torch tensors and DNDarrays can be viewed
+    along another axis than 0 (Heat raises TypeError for other buffers too)."""
+    if axis == 0:
+        return t
+    if not isinstance(obj, torch.Tensor) and _buffers._local_tensor(obj) is None:
+        raise TypeError(f"{name}: {arg} of type {type(obj).__name__} supports axis 0 only; pass "
+                        "a torch tensor or DNDarray to cut or join along another axis")
+    if not -t.dim() <= axis < t.dim():
+        raise ValueError(f"{name}: axis {axis} is not an axis of {arg}, which has {t.dim()} "
+                         "dimension(s)")
+    return t.transpose(0, axis)
+
+
+def _buffer(obj: object, arg: str, name: str, axis: int = 0, write: bool = False):
+    """``(tensor, back)`` of a buffer (``as_tensor``) viewed along ``axis`` (``_on_axis``)."""
+    t, back = as_tensor(obj, arg, write)
+    return _on_axis(t, obj, axis, arg, name), back
+
+
+def _row(t: torch.Tensor) -> int:
+    """Elements per slice along the first axis (1 for 0-d and 1-d tensors)."""
+    return int(np.prod(t.shape[1:], dtype=np.int64)) if t.dim() > 1 else 1
+
+
+def _vbuffer(obj: object, arg: str, size: int, write: bool, name: str, axis: int = 0):
+    """``(tensor, back, counts, displs)`` of a v-collective buffer: ``array`` (cut into ``size``
+    equal blocks), ``(array, counts)`` or ``(array, counts, displs)`` with counts and
+    displacements in slices along ``axis`` (default displacements: packed in rank order). The
+    tensor is viewed along ``axis``; counts and displs are returned in elements of that view."""
+    if isinstance(obj, (tuple, list)):
+        if len(obj) not in (2, 3):
+            raise TypeError(f"{name}: {arg} must be an array, (array, counts) or "
+                            "(array, counts, displs)")
+        t, back = _buffer(obj[0], arg, name, axis, write)
+    else:
+        t, back = _buffer(obj, arg, name, axis, write)
+        n = t.numel()
+        if n % size:
+            raise ValueError(f"{name}: {arg} has {n} elements, not a multiple of the "
+                             f"communicator size {size}; pass (array, counts, displs)")
+        return t, back, [n // size] * size, [i * (n // size) for i in range(size)]
     counts = _int_list(obj[1], f"{arg} counts", size)
     if len(obj) == 3:
         displs = _int_list(obj[2], f"{arg} displs", size)
     else:
         displs = [0, *itertools.accumulate(counts[:-1])]
-    n = t.numel()
+    rows = t.shape[0] if t.dim() else 1
     for i, (c, d) in enumerate(zip(counts, displs)):
-        if c < 0 or d < 0 or d + c > n:
-            raise ValueError(f"{arg}: block {i} (displacement {d}, count {c}) does not fit in "
-                             f"a buffer of {n} elements")
-    return t, back, counts, displs
+        if c < 0 or d < 0 or d + c > rows:
+            raise ValueError(f"{name}: {arg} block {i} (displacement {d}, count {c}) does not "
+                             f"fit in a buffer of {rows} slices along its axis")
+    row = _row(t)
+    return t, back, [c * row for c in counts], [d * row for d in displs]
+
+
+def _own_part(obj: object, arg: str, rank: int, size: int, write: bool, name: str,
+              axis: int = 0) -> tuple[torch.Tensor, Callable | None]:
+    """The buffer this rank sends (or receives) on the fixed-size side of a v-collective: the
+    whole ``array``, or of ``(array, counts[, displs])`` the ``counts[rank]`` slices at
+    ``displs[rank]`` along ``axis``."""
+    if not isinstance(obj, (tuple, list)):
+        return _buffer(obj, arg, name, axis, write)
+    t, back, counts, displs = _vbuffer(obj, arg, size, write, name, axis)
+    row = _row(t)
+    if t.dim() == 0:
+        return t, back
+    return t.narrow(0, displs[rank] // row, counts[rank] // row) if row else t, back
 
 
 def _same_dtype(send: torch.Tensor, recv: torch.Tensor, name: str) -> None:
@@ -174,6 +237,28 @@ def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
     if n and sa < ra + rmem.nbytes and ra < sa + smem.nbytes:
         return None
     return [smem, n, mtype], [rmem, n, mtype]
+
+
+def _heat_layout(sendbuf, recvbuf) -> None:
+    """Heat's side effect of a reduction whose send and receive buffers are laid out differently
+    (strides or storage offsets): a non-contiguous DNDarray buffer is left contiguous, its local
+    tensor replaced by a contiguous copy holding the same values. Torch tensors are never modified
+    (they are packed and unpacked instead)."""
+    if sendbuf is IN_PLACE:
+        return
+    local = _buffers._local_tensor
+    dnds = [b for b in (sendbuf, recvbuf) if local(b) is not None]
+    if not dnds:
+        return
+    try:
+        s, r = (as_tensor(b, "buffer")[0] for b in (sendbuf, recvbuf))
+    except (TypeError, ValueError):
+        return  # the operation itself reports it
+    if s.stride() == r.stride() and s.storage_offset() == r.storage_offset():
+        return
+    for b in dnds:
+        if not b.larray.is_contiguous():
+            b.larray = b.larray.contiguous()
 
 
 def _hold(request: MPI.Request, *objects) -> Operation:
@@ -391,8 +476,18 @@ class MPICommunication:
         shape = tuple(int(s) for s in shape)
         if split is None:
             return 0, shape, tuple(slice(0, s) for s in shape)
-        rank = self.rank if rank is None else rank
-        size = self.size if w_size is None else w_size
+        if isinstance(split, bool) or not isinstance(split, (int, np.integer)):
+            raise TypeError(f"split must be an integer axis or None, got {type(split).__name__}")
+        if not -len(shape) <= split < len(shape):
+            raise ValueError(f"split {split} is not an axis of a shape of {len(shape)} "
+                             "dimension(s)")
+        split = int(split) % len(shape)
+        for name, value in (("rank", rank), ("w_size", w_size)):
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, np.integer))):
+                raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+        rank = self.rank if rank is None else int(rank)
+        size = self.size if w_size is None else int(w_size)
         start, stop = chunk_range(shape[split], size, rank)
         lshape = shape[:split] + (stop - start,) + shape[split + 1:]
         slices = tuple(slice(start, stop) if i == split else slice(0, s)
@@ -423,6 +518,53 @@ class MPICommunication:
         output[axis] = self.size * counts[self.rank]
         return tuple(counts), tuple(displs), tuple(output)
 
+    # -- Heat's helpers (kept for programs and tests written for Heat) --------------------------
+
+    #: the largest count MPI's int-count calls take (heatlike itself sends larger buffers through
+    #: mpi4py's large-count support and never needs :meth:`_handle_large_count`)
+    COUNT_LIMIT = 2 ** 31 - 1
+
+    @classmethod
+    def _handle_large_count(cls, mpi_type: MPI.Datatype, elements: int
+                            ) -> tuple[MPI.Datatype, int]:
+        """Heat's workaround for a count beyond :attr:`COUNT_LIMIT`: ``(datatype, 1)`` where the
+        committed derived ``datatype`` covers ``elements`` items of ``mpi_type`` (a vector of
+        ``COUNT_LIMIT``-item blocks, and a struct adding the remainder when there is one). The
+        caller frees the datatype. ValueError beyond ``COUNT_LIMIT ** 2`` items."""
+        limit = cls.COUNT_LIMIT
+        blocks, rest = divmod(int(elements), limit)
+        if blocks > limit:
+            raise ValueError(f"{elements} elements exceed the largest count a derived datatype "
+                             f"can describe here ({limit} x {limit})")
+        vector = mpi_type.Create_vector(blocks, limit, limit)
+        if not rest:
+            return vector.Commit(), 1
+        extent = mpi_type.Get_extent()[1]
+        whole = MPI.Datatype.Create_struct([1, rest], [0, blocks * limit * extent],
+                                           [vector, mpi_type])
+        vector.Free()
+        return whole.Commit(), 1
+
+    def _minmax_op(self, dtype: torch.dtype, total_count: int, shape: Sequence[int],
+                   stride: Sequence[int], offset: int = 0) -> MPI.Op:
+        """Heat's commutative op combining a packed ``[mins; maxs]`` buffer of ``2 *
+        total_count`` elements of ``dtype``: the first half by minimum, the second by maximum.
+        ``shape`` must hold ``2 * total_count`` elements; ``stride`` and ``offset`` are accepted
+        for Heat's signature but not needed, since heatlike hands MPI packed buffers in C order.
+        Free the op with ``op.Free()``."""
+        n = int(total_count)
+        if int(np.prod(tuple(shape), dtype=np.int64)) != 2 * n:
+            raise ValueError(f"shape {tuple(shape)} does not hold 2 x total_count = {2 * n} "
+                             "elements")
+
+        def combine(inbuf, inoutbuf, _datatype) -> None:
+            a = torch.frombuffer(inbuf, dtype=dtype, count=2 * n).view(2, n)
+            b = torch.frombuffer(inoutbuf, dtype=dtype, count=2 * n).view(2, n)
+            torch.minimum(a[0], b[0], out=b[0])
+            torch.maximum(a[1], b[1], out=b[1])
+
+        return MPI.Op.Create(combine, commute=True)
+
     def _check_root(self, root: object) -> int:
         if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
             raise TypeError(f"root must be an integer rank, got {type(root).__name__}")
@@ -439,17 +581,17 @@ class MPICommunication:
             raise ValueError(f"{arg} {peer} is not a rank of a communicator of size {self.size}")
         return int(peer)
 
-    def _rooted_send(self, sendbuf, root: object, name: str
+    def _rooted_send(self, sendbuf, root: object, name: str, axis: int = 0
                      ) -> tuple[int, bool, torch.Tensor | None]:
         """``(root, is_root, send)`` for a collective whose root may pass ``MPI.IN_PLACE`` as
-        ``sendbuf`` (``send`` is then None)."""
+        ``sendbuf`` (``send`` is then None); ``send`` is viewed along ``axis``."""
         root = self._check_root(root)
         is_root = self.rank == root
         if sendbuf is IN_PLACE:
             if not is_root:
                 raise ValueError(f"{name}: MPI.IN_PLACE as sendbuf is only valid at the root")
             return root, True, None
-        return root, is_root, as_tensor(sendbuf, "sendbuf")[0]
+        return root, is_root, _buffer(sendbuf, "sendbuf", name, axis)[0]
 
     # -- communicator management -------------------------------------------------------------
 
@@ -617,6 +759,7 @@ class MPICommunication:
                 blocking: bool) -> Operation:
         """``recvbuf`` at ``root`` = ``op`` over the ``sendbuf`` of every rank (``sendbuf`` may be
         ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
+        _heat_layout(sendbuf, recvbuf)
         root, is_root, send = self._rooted_send(sendbuf, root, "Reduce")
         recv = back = None
         if is_root:
@@ -626,6 +769,7 @@ class MPICommunication:
                 _expect_numel(recv, send.numel(), "recvbuf", "Reduce", "the size of sendbuf")
                 _no_alias(send, recv, "Reduce")
         reduction_type((recv if send is None else send).dtype, op)
+        op = mpi_op((recv if send is None else send).dtype, op)
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -644,8 +788,10 @@ class MPICommunication:
                    blocking: bool) -> Operation:
         """``recvbuf`` of every rank = ``op`` over the ``sendbuf`` of every rank (``sendbuf`` may
         be ``MPI.IN_PLACE``: the input is then ``recvbuf``). Half types accumulate in float32."""
+        _heat_layout(sendbuf, recvbuf)
         recv, back = as_tensor(recvbuf, "recvbuf", write=True)
         reduction_type(recv.dtype, op)
+        op = mpi_op(recv.dtype, op)
         send = _same_size_send(sendbuf, recv, "Allreduce")
         src = None if send is None else readable(send)
         dst, fin = writable(recv, back, keep_contents=send is None)
@@ -660,8 +806,10 @@ class MPICommunication:
             fin()
 
     def _scan_like(self, name: str, sendbuf, recvbuf, op: MPI.Op, blocking: bool) -> Operation:
+        _heat_layout(sendbuf, recvbuf)
         recv, back = as_tensor(recvbuf, "recvbuf", write=True)
         reduction_type(recv.dtype, op)
+        op = mpi_op(recv.dtype, op)
         send = _same_size_send(sendbuf, recv, name)
         src = None if send is None else readable(send)
         dst, fin = writable(recv, back, keep_contents=True)
@@ -700,6 +848,7 @@ class MPICommunication:
         size = self.size
         recv, back = as_tensor(recvbuf, "recvbuf", write=True)
         reduction_type(recv.dtype, op)
+        op = mpi_op(recv.dtype, op)
         if sendbuf is IN_PLACE:
             send = None
             total = recv.numel()
@@ -741,16 +890,18 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _allgather(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
-        """``recvbuf`` = the ``sendbuf`` of every rank, concatenated in rank order (``sendbuf``
-        may be ``MPI.IN_PLACE``: each rank's block is already in place in ``recvbuf``)."""
+    def _allgather(self, sendbuf, recvbuf, recv_axis: int = 0, *, blocking: bool) -> Operation:
+        """``recvbuf`` = the ``sendbuf`` of every rank, concatenated in rank order along
+        ``recv_axis`` (``sendbuf`` may be ``MPI.IN_PLACE``: this rank's block is already in place
+        in ``recvbuf``)."""
         size = self.size
-        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+        axis = _check_axis(recv_axis, "recv_axis", "Allgather")
+        recv, back = _buffer(recvbuf, "recvbuf", "Allgather", axis, write=True)
         if sendbuf is IN_PLACE:
             send = None
             _expect_divisible(recv, size, "recvbuf", "Allgather")
         else:
-            send, _ = as_tensor(sendbuf, "sendbuf")
+            send, _ = _buffer(sendbuf, "sendbuf", "Allgather", axis)
             _same_dtype(send, recv, "Allgather")
             _expect_numel(recv, size * send.numel(), "recvbuf", "Allgather",
                           "communicator size x size of sendbuf")
@@ -763,13 +914,18 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _allgatherv(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
-        """``recvbuf=(array, counts[, displs])``: rank i's ``sendbuf`` (``counts[i]`` elements) is
-        placed at ``displs[i]`` on every rank (``sendbuf`` may be ``MPI.IN_PLACE``)."""
-        recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True)
+    def _allgatherv(self, sendbuf, recvbuf, recv_axis: int = 0, *, blocking: bool) -> Operation:
+        """``recvbuf=(array, counts[, displs])`` (or a plain array: equal blocks): rank i's
+        ``sendbuf`` (``counts[i]`` slices along ``recv_axis``) is placed at ``displs[i]`` on
+        every rank. ``sendbuf`` may be ``MPI.IN_PLACE``, or ``(array, counts[, displs])`` to
+        send this rank's part of it (``counts[rank]`` slices at ``displs[rank]``)."""
+        axis = _check_axis(recv_axis, "recv_axis", "Allgatherv")
+        recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True, "Allgatherv",
+                                              axis)
         send = None
         if sendbuf is not IN_PLACE:
-            send, _ = as_tensor(sendbuf, "sendbuf")
+            send, _ = _own_part(sendbuf, "sendbuf", self.rank, self.size, False, "Allgatherv",
+                                axis)
             _same_dtype(send, recv, "Allgatherv")
             _expect_numel(send, counts[self.rank], "sendbuf", "Allgatherv",
                           "recvbuf counts[rank]")
@@ -782,48 +938,149 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _alltoall(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
-        """Block j of rank i's ``sendbuf`` goes to block i of rank j's ``recvbuf`` (``sendbuf`` may
-        be ``MPI.IN_PLACE``)."""
-        size = self.size
-        recv, back = as_tensor(recvbuf, "recvbuf", write=True)
-        _expect_divisible(recv, size, "recvbuf", "Alltoall")
-        send = _same_size_send(sendbuf, recv, "Alltoall")
-        src = None if send is None else readable(send)
-        dst, fin = writable(recv, back, keep_contents=send is None)
-        sync_devices(send, recv)
-        yield from call(self.handle, blocking, "Alltoall",
-                        IN_PLACE if src is None else bspec(src, size), bspec(dst, size))
-        if fin is not None:
-            fin()
+    def _alltoall(self, sendbuf, recvbuf, send_axis: int = 0, recv_axis: int | None = None, *,
+                  blocking: bool) -> Operation:
+        """Block j of rank i's ``sendbuf`` along ``send_axis`` goes to block i of rank j's
+        ``recvbuf`` along ``recv_axis`` (default: ``send_axis``); ``sendbuf`` may be
+        ``MPI.IN_PLACE``. With an axis >= 2 the blocks are sub-arrays (as in Heat): see
+        :meth:`Alltoallv`."""
+        return self._alltoall_like("Alltoall", sendbuf, recvbuf, send_axis, recv_axis, blocking)
 
-    def _alltoallv(self, sendbuf, recvbuf, *, blocking: bool) -> Operation:
-        """``sendbuf=(array, counts[, displs])``, ``recvbuf`` likewise: ``sendcounts[j]`` elements
-        at ``senddispls[j]`` go to rank j, which stores them at its ``recvdispls[i]`` (``sendbuf``
-        may be ``MPI.IN_PLACE``; the send layout is then the receive layout)."""
-        recv, back, rcounts, rdispls = _vbuffer(recvbuf, "recvbuf", self.size, True)
+    def _alltoallv(self, sendbuf, recvbuf, send_axis: int = 0, recv_axis: int | None = None, *,
+                   blocking: bool) -> Operation:
+        """``sendbuf=(array, counts[, displs])`` (or a plain array: equal blocks), ``recvbuf``
+        likewise, counts in slices along ``send_axis`` / ``recv_axis`` (default: ``send_axis``):
+        ``sendcounts[j]`` slices at ``senddispls[j]`` go to rank j, which stores them at its
+        ``recvdispls[i]``. ``sendbuf`` may be ``MPI.IN_PLACE`` (the send layout is then the
+        receive layout).
+
+        Blocks travel in the C order of each buffer viewed with its axis in front. When an axis
+        is >= 2 (Heat's rule), a block is instead the sub-array ``counts[j]`` wide along the
+        axis (default: the balanced split), received into the sub-array of the same shape: the
+        redistribution of an array from split ``recv_axis`` to split ``send_axis``. There the
+        two axes must differ (Heat's restriction)."""
+        return self._alltoall_like("Alltoallv", sendbuf, recvbuf, send_axis, recv_axis, blocking)
+
+    def _alltoall_like(self, name: str, sendbuf, recvbuf, send_axis, recv_axis,
+                       blocking: bool) -> Operation:
+        if send_axis is None:
+            raise NotImplementedError(f"{name}: send_axis=None is not supported (as in Heat): "
+                                      "name the axis to cut sendbuf along")
+        size = self.size
+        send_axis = _check_axis(send_axis, "send_axis", name)
+        recv_axis = send_axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", name)
+        plain = _buffers.as_tensor(recvbuf[0] if isinstance(recvbuf, (tuple, list)) else recvbuf,
+                                   "recvbuf", True)[0]
+        nd = max(plain.dim(), 1)
+        if not -nd <= send_axis < nd or not -nd <= recv_axis < nd:
+            raise ValueError(f"{name}: send_axis {send_axis} / recv_axis {recv_axis} are not "
+                             f"axes of buffers with {plain.dim()} dimension(s)")
+        send_axis, recv_axis = send_axis % nd, recv_axis % nd
+        if send_axis >= 2 or recv_axis >= 2:
+            if send_axis == recv_axis:
+                if size > 1:
+                    raise NotImplementedError(
+                        f"{name}: send_axis == recv_axis >= 2 is not supported (as in Heat); "
+                        "cut and join along different axes")
+                warnings.warn(f"{name}: send_axis == recv_axis >= 2 works on one process only "
+                              "(as in Heat)", UserWarning, stacklevel=4)
+            yield from self._alltoall_blocks(name, sendbuf, recvbuf, send_axis, recv_axis,
+                                             blocking)
+            return
+        variable = name == "Alltoallv"
+        if variable:
+            recv, back, rcounts, rdispls = _vbuffer(recvbuf, "recvbuf", size, True, name,
+                                                    recv_axis)
+        else:
+            recv, back = _buffer(recvbuf, "recvbuf", name, recv_axis, write=True)
+            _expect_divisible(recv, size, "recvbuf", name)
         send = None
         if sendbuf is not IN_PLACE:
-            send, _, scounts, sdispls = _vbuffer(sendbuf, "sendbuf", self.size, False)
-            _same_dtype(send, recv, "Alltoallv")
-            _no_alias(send, recv, "Alltoallv")
+            if variable:
+                send, _, scounts, sdispls = _vbuffer(sendbuf, "sendbuf", size, False, name,
+                                                     send_axis)
+                _same_dtype(send, recv, name)
+                _no_alias(send, recv, name)
+            else:
+                send, _ = _buffer(sendbuf, "sendbuf", name, send_axis)
+                send = _same_size_send(send, recv, name)
         src = None if send is None else readable(send)
-        dst, fin = writable(recv, back, keep_contents=True)
+        dst, fin = writable(recv, back, keep_contents=send is None or variable)
         sync_devices(send, recv)
-        yield from call(self.handle, blocking, "Alltoallv",
-                        IN_PLACE if src is None else vspec(src, scounts, sdispls),
-                        vspec(dst, rcounts, rdispls))
+        if variable:
+            yield from call(self.handle, blocking, name,
+                            IN_PLACE if src is None else vspec(src, scounts, sdispls),
+                            vspec(dst, rcounts, rdispls))
+        else:
+            yield from call(self.handle, blocking, name,
+                            IN_PLACE if src is None else bspec(src, size), bspec(dst, size))
         if fin is not None:
             fin()
 
-    def _gather(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
-        """``recvbuf`` at ``root`` = every rank's ``sendbuf`` concatenated in rank order
+    def _alltoall_blocks(self, name: str, sendbuf, recvbuf, send_axis: int, recv_axis: int,
+                         blocking: bool) -> Operation:
+        """The sub-array form of :meth:`Alltoallv` (an axis >= 2)."""
+        from .distribution import _recv_side, _send_side
+
+        if sendbuf is IN_PLACE:
+            raise ValueError(f"{name}: MPI.IN_PLACE is not supported when an axis is >= 2")
+        send, scounts, sdispls = self._blocks_along(sendbuf, "sendbuf", send_axis, name, False)
+        recv, rcounts, rdispls = self._blocks_along(recvbuf, "recvbuf", recv_axis, name, True)
+        _same_dtype(send, recv, name)
+        _no_alias(send, recv, name)
+        send_views = [send.narrow(send_axis, d, c) for c, d in zip(scounts, sdispls)]
+        recv_views = [recv.narrow(recv_axis, d, c) for c, d in zip(rcounts, rdispls)]
+        mine, into = send_views[self.rank], recv_views[self.rank]
+        if mine.shape != into.shape:
+            raise ValueError(f"{name}: the block this rank keeps has shape {tuple(mine.shape)} "
+                             f"in sendbuf but {tuple(into.shape)} in recvbuf")
+        sbuf, sc, sd = _send_side(send, send_views)
+        rbuf, rc, rd, unpack = _recv_side(recv, recv_views)
+        src = readable(sbuf)
+        dst, fin = writable(rbuf, keep_contents=True)
+        sync_devices(send, recv)
+        yield from call(self.handle, blocking, "Alltoallv", vspec(src, sc, sd),
+                        vspec(dst, rc, rd))
+        if fin is not None:
+            fin()
+        if unpack is not None:
+            unpack()
+
+    def _blocks_along(self, obj, arg: str, axis: int, name: str, write: bool):
+        """``(tensor, counts, displs)`` along ``axis`` of a buffer ``array`` (balanced split) or
+        ``(array, counts[, displs])``, in slices."""
+        if isinstance(obj, (tuple, list)):
+            if len(obj) not in (2, 3):
+                raise TypeError(f"{name}: {arg} must be an array, (array, counts) or "
+                                "(array, counts, displs)")
+            t, back = _buffer(obj[0], arg, name, 0, write)
+            counts = _int_list(obj[1], f"{arg} counts", self.size)
+            displs = (_int_list(obj[2], f"{arg} displs", self.size) if len(obj) == 3
+                      else [0, *itertools.accumulate(counts[:-1])])
+        else:
+            t, back = _buffer(obj, arg, name, 0, write)
+            counts, displs = counts_displs(t.shape[axis], self.size)
+        if back is not None:
+            raise ValueError(f"{name}: {arg} must be a torch tensor or DNDarray when an axis is "
+                             ">= 2")
+        for i, (c, d) in enumerate(zip(counts, displs)):
+            if c < 0 or d < 0 or d + c > t.shape[axis]:
+                raise ValueError(f"{name}: {arg} block {i} (displacement {d}, count {c}) does "
+                                 f"not fit in {t.shape[axis]} slices along axis {axis}")
+        return t, counts, displs
+
+    def _gather(self, sendbuf, recvbuf, root: int = 0, axis: int = 0,
+                recv_axis: int | None = None, *, blocking: bool) -> Operation:
+        """``recvbuf`` at ``root`` = every rank's ``sendbuf`` concatenated in rank order along
+        ``axis`` of the send buffers and ``recv_axis`` (default: ``axis``) of the receive buffer
         (``sendbuf`` may be ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
         size = self.size
-        root, is_root, send = self._rooted_send(sendbuf, root, "Gather")
+        axis = _check_axis(axis, "axis", "Gather")
+        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Gather")
+        root, is_root, send = self._rooted_send(sendbuf, root, "Gather", axis)
         recv = back = None
         if is_root:
-            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+            recv, back = _buffer(recvbuf, "recvbuf", "Gather", recv_axis, write=True)
             if send is None:
                 _expect_divisible(recv, size, "recvbuf", "Gather")
             else:
@@ -841,13 +1098,28 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _gatherv(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
-        """At ``root``, ``recvbuf=(array, counts[, displs])`` receives rank i's ``sendbuf`` at
-        ``displs[i]`` (``sendbuf`` may be ``MPI.IN_PLACE`` at the root)."""
-        root, is_root, send = self._rooted_send(sendbuf, root, "Gatherv")
+    def _gatherv(self, sendbuf, recvbuf, root: int = 0, axis: int = 0,
+                 recv_axis: int | None = None, *, blocking: bool) -> Operation:
+        """At ``root``, ``recvbuf=(array, counts[, displs])`` (or a plain array: equal blocks)
+        receives rank i's ``sendbuf`` at ``displs[i]``, counts in slices along ``recv_axis``
+        (default: ``axis``, the axis the send buffers are read along). ``sendbuf`` may be
+        ``MPI.IN_PLACE`` at the root, or ``(array, counts[, displs])`` to send this rank's
+        part."""
+        axis = _check_axis(axis, "axis", "Gatherv")
+        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Gatherv")
+        root = self._check_root(root)
+        is_root = self.rank == root
+        if sendbuf is IN_PLACE:
+            if not is_root:
+                raise ValueError("Gatherv: MPI.IN_PLACE as sendbuf is only valid at the root")
+            send = None
+        else:
+            send, _ = _own_part(sendbuf, "sendbuf", self.rank, self.size, False, "Gatherv",
+                                axis)
         recv = back = None
         if is_root:
-            recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True)
+            recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True,
+                                                  "Gatherv", recv_axis)
             if send is not None:
                 _same_dtype(send, recv, "Gatherv")
                 _expect_numel(send, counts[root], "sendbuf", "Gatherv", "recvbuf counts[root]")
@@ -862,9 +1134,13 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _scatter(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
-        """Block r of ``sendbuf`` at ``root`` goes to ``recvbuf`` of rank r (``recvbuf`` may be
-        ``MPI.IN_PLACE`` at the root; ``sendbuf`` is ignored elsewhere)."""
+    def _scatter(self, sendbuf, recvbuf, root: int = 0, axis: int = 0,
+                 recv_axis: int | None = None, *, blocking: bool) -> Operation:
+        """Block r of ``sendbuf`` at ``root`` along ``axis`` goes to ``recvbuf`` of rank r, read
+        along ``recv_axis`` (default: ``axis``); ``recvbuf`` may be ``MPI.IN_PLACE`` at the root;
+        ``sendbuf`` is ignored elsewhere."""
+        axis = _check_axis(axis, "axis", "Scatter")
+        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Scatter")
         root = self._check_root(root)
         size, is_root = self.size, self.rank == root
         send = recv = back = None
@@ -872,9 +1148,9 @@ class MPICommunication:
             if not is_root:
                 raise ValueError("Scatter: MPI.IN_PLACE as recvbuf is only valid at the root")
         else:
-            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+            recv, back = _buffer(recvbuf, "recvbuf", "Scatter", recv_axis, write=True)
         if is_root:
-            send, _ = as_tensor(sendbuf, "sendbuf")
+            send, _ = _buffer(sendbuf, "sendbuf", "Scatter", axis)
             if recv is None:
                 _expect_divisible(send, size, "sendbuf", "Scatter")
             else:
@@ -892,10 +1168,14 @@ class MPICommunication:
         if fin is not None:
             fin()
 
-    def _scatterv(self, sendbuf, recvbuf, root: int = 0, *, blocking: bool) -> Operation:
-        """At ``root``, ``sendbuf=(array, counts[, displs])``: ``counts[r]`` elements at
-        ``displs[r]`` go to ``recvbuf`` of rank r (``recvbuf`` may be ``MPI.IN_PLACE`` at the
-        root)."""
+    def _scatterv(self, sendbuf, recvbuf, root: int = 0, axis: int = 0,
+                  recv_axis: int | None = None, *, blocking: bool) -> Operation:
+        """At ``root``, ``sendbuf=(array, counts[, displs])`` (or a plain array: equal blocks):
+        ``counts[r]`` slices along ``axis`` at ``displs[r]`` go to ``recvbuf`` of rank r, read
+        along ``recv_axis`` (default: ``axis``). ``recvbuf`` may be ``MPI.IN_PLACE`` at the
+        root, or ``(array, counts[, displs])`` to receive into this rank's part of it."""
+        axis = _check_axis(axis, "axis", "Scatterv")
+        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Scatterv")
         root = self._check_root(root)
         is_root = self.rank == root
         send = recv = back = None
@@ -903,9 +1183,11 @@ class MPICommunication:
             if not is_root:
                 raise ValueError("Scatterv: MPI.IN_PLACE as recvbuf is only valid at the root")
         else:
-            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
+            recv, back = _own_part(recvbuf, "recvbuf", self.rank, self.size, True, "Scatterv",
+                                   recv_axis)
         if is_root:
-            send, _, counts, displs = _vbuffer(sendbuf, "sendbuf", self.size, False)
+            send, _, counts, displs = _vbuffer(sendbuf, "sendbuf", self.size, False, "Scatterv",
+                                               axis)
             if recv is not None:
                 _same_dtype(send, recv, "Scatterv")
                 _expect_numel(recv, counts[root], "recvbuf", "Scatterv", "sendbuf counts[root]")
@@ -1022,6 +1304,14 @@ class MPICommunication:
         if _fast.__name__.startswith("I"):
             _fast.__doc__ = f"Non-blocking :meth:`{_fast.__name__[1:]}`; returns a Request."
     del _fast
+
+
+def __getattr__(name: str):
+    if name == "GPU_AWARE_MPI":  # Heat's flag: whether device buffers go to MPI directly
+        from . import cuda_aware
+
+        return bool(cuda_aware.cuda_aware())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 MPI_WORLD = MPICommunication(MPI.COMM_WORLD)

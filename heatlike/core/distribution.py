@@ -99,7 +99,7 @@ def _packed(views: list[torch.Tensor], like: torch.Tensor
 def _send_side(local: torch.Tensor, views: list[torch.Tensor]):
     runs = _runs(local, views)
     if runs is not None:
-        return local, runs[0], runs[1]
+        return local.view(-1), runs[0], runs[1]
     return _packed(views, local)
 
 
@@ -107,7 +107,7 @@ def _recv_side(out: torch.Tensor, views: list[torch.Tensor]):
     """``(buffer, counts, displs, unpack)``; ``unpack`` is None when MPI writes ``out``."""
     runs = _runs(out, views)
     if runs is not None:
-        return out, runs[0], runs[1], None
+        return out.view(-1), runs[0], runs[1], None
     counts = [v.numel() for v in views]
     displs = list(offsets(counts))
     buf = torch.empty(sum(counts), dtype=out.dtype, device=out.device)

@@ -290,9 +290,8 @@ def _take_split(x: DNDarray, dim: int, want: torch.Tensor) -> torch.Tensor:
     comm.Alltoallv((asked, sc), (requests, rc))
     rows = t.movedim(dim, 0)
     reply = rows.index_select(0, requests - x.displs[comm.rank]).contiguous()  # type: ignore
-    row = int(np.prod(rows.shape[1:], dtype=np.int64))
     got = torch.empty((want.numel(), *rows.shape[1:]), dtype=t.dtype, device=t.device)
-    comm.Alltoallv((reply, [c * row for c in rc]), (got, [c * row for c in sc]))
+    comm.Alltoallv((reply, rc), (got, sc))
     out = torch.empty_like(got)
     out[order] = got
     return out.movedim(0, dim)

@@ -56,8 +56,7 @@ def _preview(x: DNDarray, summarize: bool) -> np.ndarray | None:
                 idx = [i - lo for i in idx if lo <= i < hi]
             sub = sub.index_select(d, torch.tensor(idx, dtype=torch.int64, device=t.device))
         send = sub.movedim(s, 0).contiguous()
-        row = int(np.prod(send.shape[1:], dtype=np.int64))
-        counts = [row * sum(1 for i in picks[s] if a <= i < b) for a, b in ranges]
+        counts = [sum(1 for i in picks[s] if a <= i < b) for a, b in ranges]
         recv = None
         if comm.rank == 0:
             recv = torch.empty((len(picks[s]), *send.shape[1:]), dtype=t.dtype, device=t.device)

@@ -15,6 +15,7 @@ are broadcast to all ranks; the global random number generators are not touched.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -51,8 +52,11 @@ class DataParallel(torch.nn.Module):
     comm: the communicator (default ``MPI_WORLD``).
     optimizer: a :class:`heatlike.optim.DataParallelOptimizer` over exactly the module's trainable
         parameters (or a list/tuple holding one, as Heat accepts); its ``blocking`` flag selects
-        the mode. Without one, the averaged gradients are in ``.grad`` at the end of every
-        ``backward()`` for any optimizer to use.
+        the mode. A list naming that one optimizer several times selects blocking updates with a
+        ``UserWarning``, as Heat does for any list of more than one; a list of different
+        optimizers is a ValueError (use one torch optimizer with several parameter groups).
+        Without one, the averaged gradients are in ``.grad`` at the end of every ``backward()``
+        for any optimizer to use (``blocking_parameter_updates`` then reads None).
     blocking_parameter_updates: Heat's argument: when given, it sets the optimizer's mode (as in
         Heat, the module's flag wins over the optimizer's ``blocking``); None keeps the
         optimizer's.
@@ -84,6 +88,13 @@ class DataParallel(torch.nn.Module):
         super().__init__()
         comm = sanitize_comm(comm)
         error = None
+        force_blocking = False
+        if isinstance(optimizer, (list, tuple)) and len(optimizer) > 1 and \
+                all(o is optimizer[0] for o in optimizer):
+            # Heat's list naming one optimizer several times: Heat falls back to blocking
+            # updates for any list of more than one entry, and so does heatlike
+            optimizer = optimizer[0]
+            force_blocking = isinstance(optimizer, DataParallelOptimizer)
         if isinstance(optimizer, (list, tuple)) and len(optimizer) == 1:
             optimizer = optimizer[0]  # Heat's list of optimizers, with its one optimizer
         if not isinstance(module, torch.nn.Module):
@@ -111,6 +122,15 @@ class DataParallel(torch.nn.Module):
         if error is None and not (isinstance(codec, str) and codec == "auto"):
             codec, error = codec_error(codec)
         raise_together(error, comm)
+        if force_blocking:
+            requested = optimizer.blocking if blocking_parameter_updates is None else \
+                blocking_parameter_updates
+            if not requested:
+                warnings.warn("Usage of more than one DataParallelOptimizer causes fallback on "
+                              "blocking MPI communication during parameter updates (the list "
+                              "names the same optimizer more than once; pass it alone to keep "
+                              "non-blocking updates)", UserWarning, stacklevel=2)
+            blocking_parameter_updates = True
         if blocking_parameter_updates is not None:
             optimizer.blocking = blocking_parameter_updates
         agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
@@ -204,6 +224,12 @@ class DataParallel(torch.nn.Module):
                 unpack(flat, tensors)
 
     # -- public API ----------------------------------------------------------------------------
+
+    @property
+    def blocking_parameter_updates(self) -> bool | None:
+        """Heat's attribute, read-only: whether parameter updates are blocking (the optimizer's
+        mode); None without an optimizer."""
+        return None if self.optimizer is None else self.optimizer.blocking
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -4,8 +4,15 @@ Heat: DataParallelOptimizer, DASO. mlbench-core: GenericCentralizedOptimizer, Ce
 CentralizedAdam, CustomCentralizedOptimizer, CentralizedSparsifiedSGD, PowerSGD,
 DecentralizedSGD, SignSGD, SparsifiedSGD, FP16Optimizer. Apache SINGA: DistOpt (and SINGA's
 RMSProp / AdaGrad formulas in ``heatlike.optim.singa``).
+
+As in Heat, the names of ``torch.optim`` are available here too: ``heatlike.optim.SGD is
+torch.optim.SGD``, ``heatlike.optim.lr_scheduler is torch.optim.lr_scheduler``. heatlike's own
+names come first; a name neither has raises ``AttributeError``.
 """
 
+import torch as _torch
+
+from .._forwarding import forward_to
 from . import singa  # noqa: F401,E402
 from .centralized import (  # noqa: F401
     CentralizedAdam,
@@ -19,3 +26,5 @@ from .decentralized import DecentralizedSGD, consensus_distance  # noqa: F401
 from .distopt import DistOpt  # noqa: F401
 from .dp_optimizer import DataParallelOptimizer  # noqa: F401
 from .fp16 import FP16Optimizer  # noqa: F401
+
+__getattr__, __dir__ = forward_to(__name__, globals(), _torch.optim)

@@ -62,8 +62,10 @@ class DataParallelOptimizer(WrappedOptimizer):
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"torch_optimizer must be a torch.optim.Optimizer, "
                             f"got {type(torch_optimizer).__name__}")
+        if not isinstance(blocking, bool):  # as in Heat: no truthiness ("asdf" is an error)
+            raise TypeError(f"blocking must be a bool, got {type(blocking).__name__}")
         self._wrap(torch_optimizer)  # refuses heatlike's own optimizers
-        self.blocking = bool(blocking)
+        self.blocking = blocking
         self._model: DataParallel | None = None
         self._pending: list[int] = []  # buckets stepped by step() but not yet applied
         self._hyperparams: list[dict] | None = None

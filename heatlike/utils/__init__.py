@@ -1,5 +1,6 @@
 """Utilities: launching with abort-on-error, data loading, step tracking."""
 
+from . import data  # noqa: F401  (heatlike.utils.data, as Heat's heat.utils.data)
 from .launch import (  # noqa: F401
     DEVICE_CHOICES,
     abort_on_exception,

@@ -13,11 +13,23 @@ start of the order (like ``torch.utils.data.DistributedSampler``).
 ``Dataset``) or distributed as DNDarrays split along axis 0. In the distributed case
 :class:`DataLoader` starts each epoch with one ``Alltoallv`` that brings every rank exactly the rows
 its batches of that epoch need (each row moves at most once), then serves batches locally.
+
+Heat's names: ``heatlike.utils.data.datatools`` is this module's ``DataLoader`` and ``Dataset``
+under Heat's module name (``heat.utils.data.datatools``). :class:`Dataset` accepts Heat's keywords
+``transforms``, ``ishuffle`` and ``test_set``. Heat shuffles between epochs by sending half of
+each rank's samples to the next rank, blocking or (``ishuffle=True``) non-blocking, and calls the
+dataset's ``Shuffle()`` / ``Ishuffle()`` for it; heatlike's rule above already mixes samples
+across all ranks every epoch, so ``ishuffle`` is kept as an attribute and changes nothing, and
+those methods are not called. ``test_set=True`` turns shuffling off (the loader's default), as it
+does in Heat.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import math
+import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -26,7 +38,7 @@ import torch
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 
-__all__ = ["DistributedBatchSampler", "Dataset", "DataLoader"]
+__all__ = ["DistributedBatchSampler", "Dataset", "DataLoader", "datatools"]
 
 
 class DistributedBatchSampler:
@@ -95,16 +107,59 @@ def _is_dndarray(obj: object) -> bool:
     return type(obj).__name__ == "DNDarray" and hasattr(obj, "larray")
 
 
+def _is_array(obj: object) -> bool:
+    """What :class:`Dataset` takes as data: a DNDarray, a tensor, a numpy array, a torch dataset
+    or a sequence of samples (not a string)."""
+    return _is_dndarray(obj) or \
+        isinstance(obj, (torch.Tensor, np.ndarray, torch.utils.data.Dataset)) or \
+        (isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)))
+
+
 class Dataset(torch.utils.data.Dataset):
     """Samples ``data[i]`` (and ``targets[i]``), optionally transformed.
 
     ``data`` / ``targets`` are torch tensors or numpy arrays held whole on every rank, or DNDarrays
     split along axis 0 (each rank holds its rows); ``transform`` / ``target_transform`` apply to
     one sample. A distributed dataset is served through :class:`DataLoader`.
+
+    Heat's keywords (``heat.utils.data.Dataset(array, transforms=None, ishuffle=False,
+    test_set=False)``): ``transforms`` is a callable or a list of them whose first entry is
+    applied to each sample (Heat's ``__getitem__`` does the same; the list is kept as
+    ``self.transforms``); ``ishuffle`` is stored as ``self.ishuffle`` and changes nothing, since
+    :class:`DataLoader` reshuffles across all ranks by its own rule (module docstring);
+    ``test_set=True`` (``self.test_set``) makes :class:`DataLoader` keep the order, as Heat does
+    not shuffle a test set.
     """
 
     def __init__(self, data, targets=None, transform: Callable | None = None,
-                 target_transform: Callable | None = None) -> None:
+                 target_transform: Callable | None = None, *,
+                 transforms: Callable | Sequence[Callable] | None = None, ishuffle: bool = False,
+                 test_set: bool = False) -> None:
+        if not _is_array(data):
+            raise TypeError(f"data must be a DNDarray, a torch tensor, a numpy array, a torch "
+                            f"dataset or a sequence of samples, got {type(data).__name__}")
+        if callable(targets) or (isinstance(targets, (list, tuple)) and targets
+                                 and all(callable(t) for t in targets)):
+            raise TypeError("targets must be an array, got a callable: Heat's second argument "
+                            "is a keyword here, Dataset(data, transforms=...)")
+        if targets is not None and not _is_array(targets):
+            raise TypeError(f"targets must be a DNDarray, a torch tensor, a numpy array or a "
+                            f"sequence, got {type(targets).__name__}")
+        for name, flag in (("ishuffle", ishuffle), ("test_set", test_set)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if transforms is not None:
+            if not isinstance(transforms, (list, tuple)):
+                transforms = [transforms]
+            transforms = list(transforms)
+            if not transforms or not all(callable(t) for t in transforms):
+                raise TypeError("transforms must be a callable or a non-empty list of callables")
+            if transform is not None:
+                raise TypeError("give transform or Heat's transforms, not both")
+            transform = transforms[0]
+        self.transforms = transforms
+        self.ishuffle = ishuffle
+        self.test_set = test_set
         self.distributed = _is_dndarray(data)
         if targets is not None and _is_dndarray(targets) != self.distributed:
             raise TypeError("data and targets must both be DNDarrays or both be local arrays")
@@ -161,7 +216,6 @@ def _fetch_rows(array, wanted: Sequence[torch.Tensor], comm: MPICommunication) -
     counts = [int(c) for c in array.lshape_map[:, 0].tolist()]
     starts = np.cumsum([0] + counts[:-1])
     row = tuple(local.shape[1:])
-    width = int(np.prod(row)) if row else 1
     me = comm.rank
     start, stop = int(starts[me]), int(starts[me]) + counts[me]
     sends = []
@@ -173,8 +227,7 @@ def _fetch_rows(array, wanted: Sequence[torch.Tensor], comm: MPICommunication) -
     mine = torch.empty((len(wanted[me]), *row), dtype=local.dtype)
     rcounts = [int((owner == s).sum()) for s in range(comm.size)]
     recv = torch.empty((sum(rcounts), *row), dtype=local.dtype)
-    comm.Alltoallv((send.contiguous(), [s.shape[0] * width for s in sends]),
-                   (recv, [c * width for c in rcounts]))
+    comm.Alltoallv((send.contiguous(), [s.shape[0] for s in sends]), (recv, rcounts))
     offset = 0
     for s in range(comm.size):
         positions = torch.from_numpy(np.nonzero(owner == s)[0])
@@ -188,25 +241,40 @@ class DataLoader:
     following :class:`DistributedBatchSampler`: same number of batches on every rank, reshuffled
     every epoch from ``seed``. ``progress=True`` shows a tqdm bar on rank 0 only.
 
+    ``dataset`` may also be an array (DNDarray split along axis 0, torch tensor, numpy array),
+    wrapped in a :class:`Dataset`; anything else raises ``TypeError`` on every rank.
+    ``batch_size`` is per rank (default 1, as in Heat). ``shuffle=None`` (default) shuffles unless
+    the dataset was built with Heat's ``test_set=True``.
+
     Iterating starts the next epoch (``set_epoch`` chooses one explicitly). ``state_dict()``
     records the epoch and how many batches of it were served; after ``load_state_dict`` the next
     iteration continues the interrupted epoch with the batch after the last one served."""
 
-    def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0,
+    def __init__(self, dataset, batch_size: int = 1, shuffle: bool | None = None, seed: int = 0,
                  drop_last: bool = False, comm: MPICommunication | None = None,
                  progress: bool = False, collate_fn: Callable | None = None) -> None:
-        if not isinstance(dataset, torch.utils.data.Dataset):
+        if not isinstance(dataset, torch.utils.data.Dataset) and (
+                _is_dndarray(dataset) or isinstance(dataset, (torch.Tensor, np.ndarray))):
             dataset = Dataset(dataset)
-        self.dataset = dataset
         distributed = isinstance(dataset, Dataset) and dataset.distributed
         self.comm = sanitize_comm(dataset.comm if distributed else comm)
         error = None
-        try:
-            self.sampler = DistributedBatchSampler(len(dataset), batch_size, self.comm, shuffle,
-                                                   seed, drop_last)
-        except (TypeError, ValueError) as e:
-            error = e
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            error = TypeError(f"dataset must be a heatlike.utils.data.Dataset, a torch Dataset or "
+                              f"an array (DNDarray, torch.Tensor, numpy.ndarray), got "
+                              f"{type(dataset).__name__}")
+        elif shuffle is not None and not isinstance(shuffle, bool):
+            error = TypeError(f"shuffle must be a bool or None, got {type(shuffle).__name__}")
+        if shuffle is None:  # Heat's rule: a test set is not shuffled
+            shuffle = not getattr(dataset, "test_set", False)
+        if error is None:
+            try:
+                self.sampler = DistributedBatchSampler(len(dataset), batch_size, self.comm,
+                                                       shuffle, seed, drop_last)
+            except (TypeError, ValueError) as e:
+                error = e
         raise_together(error, self.comm)
+        self.dataset = dataset
         agree_on({"samples": len(dataset), "batch_size": batch_size, "shuffle": shuffle,
                   "seed": seed, "drop_last": drop_last}, self.comm, "the DataLoader")
         self.progress = progress
@@ -289,3 +357,15 @@ class DataLoader:
             yield batch
         self.sampler.set_epoch(self.sampler.epoch + 1)
         self._position = 0
+
+
+# Heat's module name for the loader and the dataset: heat.utils.data.datatools
+datatools = types.ModuleType(
+    __name__ + ".datatools",
+    "Heat's ``heat.utils.data.datatools``: heatlike's :class:`DataLoader` and :class:`Dataset` "
+    "(the same classes as in ``heatlike.utils.data``).")
+datatools.DataLoader = DataLoader
+datatools.Dataset = Dataset
+datatools.__all__ = ["DataLoader", "Dataset"]
+datatools.__spec__ = importlib.machinery.ModuleSpec(datatools.__name__, None)
+sys.modules[datatools.__name__] = datatools
