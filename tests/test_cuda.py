@@ -86,6 +86,41 @@ def test_cuda_collectives(comm, monkeypatch, aware, dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_pipelined_staging_on_the_device(comm, dtype):
+    """Device buffers produced on a side stream, staged in chunks (``heatlike.core._staging``):
+    the copy stream waits for the producer, and the result is visible on the current stream
+    (every completion path), equal to the all-reduce of the same values on the host."""
+    from heatlike.core import _staging
+
+    dev = _device(comm)
+    side = torch.cuda.Stream(dev)
+    with cuda_aware.assumed(False), _staging.staging_chunk(1024 * 8):
+        for n in (1, 1023, 1024, 1025, 10 * 1024 + 7, 300_000):
+            host = (torch.arange(n) % 97 + comm.rank).to(dtype)
+            expected = host.clone()
+            comm.Allreduce(MPI.IN_PLACE, expected, MPI.SUM)
+            for mode in ("blocking", "wait", "test"):
+                with torch.cuda.stream(side):
+                    x = torch.zeros(n, dtype=dtype, device=dev)
+                    torch.cuda._sleep(1_000_000)  # the producer is still running at the call
+                    x += host.to(dev, non_blocking=True)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                if mode == "blocking":
+                    comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+                else:
+                    serial = comm.Dup(serial=True)
+                    req = serial.Iallreduce(MPI.IN_PLACE, x, MPI.SUM)
+                    if mode == "wait":
+                        req.wait()
+                    else:
+                        while not req.Test():
+                            pass
+                    serial.Free()
+                assert torch.equal(x.cpu(), expected), (n, mode)
+
+
+@needs_cuda
 def test_cupy_arrays(comm):
     cupy = pytest.importorskip("cupy")
     with cupy.cuda.Device(comm.rank % torch.cuda.device_count()):

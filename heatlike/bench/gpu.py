@@ -8,6 +8,9 @@ it is CUDA-aware (device buffers handed to MPI directly) or not (staged through 
   tensor against the same all-reduce of a host tensor, and their ratio (what staging, or the
   library's device path, costs); where the library is CUDA-aware, also the CUDA tensor forced
   through host staging (``heatlike.core.cuda_aware.assumed(False)``) against the direct path;
+  and the staged all-reduce in one chunk (``staging_chunk``: copy out, reduce, copy back, one
+  after the other) against the pipelined one (``heatlike.core._staging``), whose ratio is what
+  the pipeline gains;
 * **DataParallel against DDP** on the GPU: the MLPs of the ``dp`` suite (about 100K and 5M
   parameters, batch 32 per rank), heatlike's blocking DataParallel against PyTorch DDP on gloo
   (DDP's CPU-communication backend, what runs alongside an MPI job), median step time and ratio;
@@ -22,6 +25,7 @@ import torch
 from mpi4py import MPI
 
 from ..core import cuda_aware
+from ..core._staging import staging_chunk
 from ..core.communication import MPI_WORLD
 from ..utils.launch import select_device
 from ._common import Results, describe_environment, say, timed_rounds
@@ -37,11 +41,16 @@ def _timed(variants: dict, iters: int, rounds: int) -> dict[str, float]:
                         finish=torch.cuda.synchronize)
 
 
-def _staged_for(device_fn):
-    """``device_fn`` run with device buffers forced through host staging."""
+def _staged_for(device_fn, one_chunk: bool = False):
+    """``device_fn`` run with device buffers forced through host staging (``one_chunk``: not
+    pipelined)."""
     def run() -> None:
         with cuda_aware.assumed(False):
-            device_fn()
+            if one_chunk:
+                with staging_chunk(2 ** 62):
+                    device_fn()
+            else:
+                device_fn()
     return run
 
 
@@ -49,7 +58,8 @@ def allreduce_by_size(results: Results, device: torch.device, quick: bool) -> No
     comm = MPI_WORLD
     aware = cuda_aware.cuda_aware()
     say(f"{'size':>9} {'host ms':>9} {'cuda ms':>9} {'cuda/host':>9}"
-        + (f" {'staged ms':>10} {'direct/staged':>13}" if aware else ""))
+        + (f" {'staged ms':>10} {'direct/staged':>13}" if aware else "")
+        + f" {'1-chunk ms':>10} {'staged/1-chunk':>14}")
     for kib in SIZES_KIB[:3] if quick else SIZES_KIB:
         n = kib * 256
         host = torch.ones(n)
@@ -58,6 +68,7 @@ def allreduce_by_size(results: Results, device: torch.device, quick: bool) -> No
                     "cuda": lambda t=dev: comm.Allreduce(MPI.IN_PLACE, t, MPI.SUM)}
         if aware:
             variants["staged"] = _staged_for(variants["cuda"])
+        variants["one chunk"] = _staged_for(variants["cuda"], one_chunk=True)
         med = _timed(variants, 3 if quick else 10, 3 if quick else 7)
         ratio = med["cuda"] / med["host"]
         case = f"{kib} KiB"
@@ -69,7 +80,9 @@ def allreduce_by_size(results: Results, device: torch.device, quick: bool) -> No
             direct = med["cuda"] / med["staged"]
             results.add("gpu", case, "allreduce direct/staged", direct, "ratio")
             line += f" {med['staged'] * 1e3:10.3f} {direct:13.2f}"
-        say(line)
+        gain = med["staged" if aware else "cuda"] / med["one chunk"]
+        results.add("gpu", case, "allreduce staged/one chunk", gain, "ratio")
+        say(f"{line} {med['one chunk'] * 1e3:10.3f} {gain:14.2f}")
 
 
 def _stepper(kind: str, widths: list[int], x: torch.Tensor, y: torch.Tensor):

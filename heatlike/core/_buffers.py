@@ -43,6 +43,7 @@ __all__ = [
     "bspec",
     "vspec",
     "force_staging",
+    "staged",
     "direct",
     "sync_devices",
 ]
@@ -157,7 +158,9 @@ def _cupy_as_tensor(a: object, arg: str, write: bool) -> tuple[torch.Tensor, Fin
     return t, None
 
 
-def _staged(t: torch.Tensor) -> bool:
+def staged(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to MPI through a host copy (device memory without a CUDA-aware
+    library, or any buffer under :func:`force_staging`)."""
     return _stage_all or (t.is_cuda and not _cuda.cuda_aware())
 
 
@@ -175,7 +178,7 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
 def readable(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor in MPI-accessible memory with the contents of ``t`` (``t`` itself if
     it already is one)."""
-    if _staged(t):
+    if staged(t):
         host = _host_like(t)
         host.copy_(t, non_blocking=t.is_cuda)
         return host
@@ -191,7 +194,7 @@ def writable(t: torch.Tensor, back: Finalizer = None,
     With ``keep_contents`` the temporary starts with ``t``'s contents (for ``MPI.IN_PLACE`` and
     for buffers a collective both reads and writes).
     """
-    if _staged(t):
+    if staged(t):
         buf = _host_like(t)
         if keep_contents:
             buf.copy_(t, non_blocking=t.is_cuda)

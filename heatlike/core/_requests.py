@@ -33,6 +33,11 @@ Operation = Generator[MPI.Request, None, None]
 # operation (an exchange's all-reduce), which ``heatlike.core.checks`` need not verify again
 depth = 0
 
+# True while a blocking call starts the non-blocking form of its operation to wait for it right
+# away (the checked path of heatlike.core.checks): nothing can run between its phases, so an
+# operation may start its later collectives lazily even on a shared communicator
+settled = False
+
 
 def call(comm: MPI.Comm, blocking: bool, name: str, *args) -> Operation:
     """One MPI phase: ``comm.<name>(*args)`` blocking, or its ``I<name>`` form, yielding the

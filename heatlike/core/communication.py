@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import _buffers, _requests
+from . import _buffers, _requests, _staging
 from . import _halfreduce as _half
 from . import checks as _checks
 from ._buffers import (
@@ -54,7 +54,14 @@ from ._buffers import (
     writable,
 )
 from ._dtypes import _DIRECT as _DIRECT_TYPES
-from ._dtypes import HALF_DTYPES, direct_reduction_type, mpi_op, mpi_type, reduction_type
+from ._dtypes import (
+    HALF_DTYPES,
+    direct_reduction_type,
+    is_predefined_op,
+    mpi_op,
+    mpi_type,
+    reduction_type,
+)
 from ._requests import Operation, Request, call, drive, test_all, wait_all
 from .chunking import chunk_range, counts_displs
 
@@ -239,6 +246,19 @@ def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
     return [smem, n, mtype], [rmem, n, mtype]
 
 
+def _pipelines(recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
+               settled: bool) -> bool:
+    """Whether an all-reduce goes through the staging pipeline (``_staging``): staged buffers
+    (device memory without a CUDA-aware library, or ``force_staging``) larger than one chunk,
+    contiguous, of a type MPI reduces itself with a predefined op (half types accumulate in
+    float32 elsewhere), on a call whose later chunks cannot interleave with other operations
+    (``settled``: blocking, or a serial communicator)."""
+    return (settled and _buffers.staged(recv) and recv.is_contiguous()
+            and (send is None or (_buffers.staged(send) and send.is_contiguous()))
+            and recv.dtype not in HALF_DTYPES and is_predefined_op(op)
+            and recv.numel() * recv.element_size() > _staging.chunk_bytes())
+
+
 def _heat_layout(sendbuf, recvbuf) -> None:
     """Heat's side effect of a reduction whose send and receive buffers are laid out differently
     (strides or storage offsets): a non-contiguous DNDarray buffer is left contiguous, its local
@@ -316,7 +336,11 @@ def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, b
     op = direct(self, *args) if direct is not None else None
     if op is None:
         op = gen(self, *args, blocking=False, **kwargs)
-    request = Request(op, label, board, seq)
+    settled, _requests.settled = _requests.settled, blocking
+    try:
+        request = Request(op, label, board, seq)  # runs the operation up to its first phase
+    finally:
+        _requests.settled = settled
     if not blocking:
         return request
     request.Wait()
@@ -793,6 +817,15 @@ class MPICommunication:
         reduction_type(recv.dtype, op)
         op = mpi_op(recv.dtype, op)
         send = _same_size_send(sendbuf, recv, "Allreduce")
+        if _pipelines(recv, send, op, blocking or self.serial or _requests.settled):
+            chunk = max(1, _staging.chunk_bytes() // recv.element_size())
+            pipe = _staging.Pipeline(self.handle, recv if send is None else send, recv, op,
+                                     mpi_type(recv.dtype), chunk)
+            if blocking:
+                pipe.Wait()
+            else:
+                yield pipe
+            return
         src = None if send is None else readable(send)
         dst, fin = writable(recv, back, keep_contents=send is None)
         sync_devices(send, recv)

@@ -173,11 +173,14 @@ class Lane:
     ranks issue them in the same order. Any other exchange has later collectives that start when
     the rank's progress reaches them; those run on a private channel (collective to open, done at
     construction) one exchange after another, so their collectives are issued in the same order
-    on every rank and never interleave with anything else."""
+    on every rank and never interleave with anything else. ``pipelined`` (the buffers are
+    staged through host memory in several chunks, ``heatlike.core._staging``) makes even a
+    single all-reduce such an exchange: its chunks' collectives start as progress reaches them.
+    The choice is collective: every rank must pass the same."""
 
-    def __init__(self, codec, reducer) -> None:
+    def __init__(self, codec, reducer, pipelined: bool = False) -> None:
         self.codec, self.reducer = codec, reducer
-        self.private = not (codec.single_round and reducer.single_phase)
+        self.private = not (codec.single_round and reducer.single_phase) or pipelined
         self.channel = reducer.open_channel() if self.private else None
         self._last = None
 

@@ -48,6 +48,8 @@ import torch
 from torch.autograd import Variable
 
 from ..core import checks as _checks
+from ..core._buffers import staged
+from ..core._staging import chunk_bytes
 from ..core.agreement import agree_on
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from .buckets import Bucket, plan_buckets
@@ -99,14 +101,15 @@ class GradientSync:
                   "bucket caps": self._caps, "codec": repr(codec), "reducer":
                   None if reducer is None else (type(reducer).__name__,
                                                 getattr(reducer, "op", None)),
-                  "check_finite": check_finite, "seed": seed}, self.comm,
-                 "the gradient synchronization")
+                  "check_finite": check_finite, "seed": seed,
+                  "staged through host memory": any(staged(p) for p in self.params)},
+                 self.comm, "the gradient synchronization")
         self._plan(list(reversed(self.params)))
         self.codec = codec if codec is not None else Identity()
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         if getattr(self.reducer, "mixes", False):
             raise ValueError("gradient buckets need a summing reducer, not gossip")
-        self.lane = Lane(self.codec, self.reducer)
+        self.lane = Lane(self.codec, self.reducer, pipelined=self._pipelined())
         # one rank, a lossless codec and a plain sum or average: the exchange is the identity, so
         # there is nothing to do (no hooks, no copies, no collectives); .grad stays as backward
         # left it, which is what the average of one rank is
@@ -237,13 +240,20 @@ class GradientSync:
             return self.lane.start(bucket.buffer, ctx)
         return self.lane.start(bucket.values, ctx, bucket.flags)
 
+    def _pipelined(self) -> bool:
+        """Whether a bucket is staged through host memory in several chunks (the same on every
+        rank: staging was agreed at construction, bucket sizes are equal)."""
+        return self.comm.size > 1 and any(
+            staged(b.buffer) and b.buffer.numel() * b.buffer.element_size() > chunk_bytes()
+            for b in self.buckets)
+
     def set_reducer(self, reducer: Reducer) -> None:
         """Use ``reducer`` from the next cycle on (collective if it needs a private channel)."""
         if self.passthrough:
             raise RuntimeError("a one-rank gradient synchronization has no exchange whose "
                                "reducer could change")
         self.reducer = reducer
-        self.lane = Lane(self.codec, reducer)
+        self.lane = Lane(self.codec, reducer, pipelined=self._pipelined())
 
     @property
     def bytes_sent(self) -> int:

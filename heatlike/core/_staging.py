@@ -1,0 +1,229 @@
+"""Pipelined staging: a large device buffer all-reduced through host memory in chunks.
+
+Without a CUDA-aware MPI library a device buffer is reduced by copying it to host memory,
+reducing it there and copying it back. Done one after the other, the two copies add to the
+reduction's time. Cut into chunks, the three steps of different chunks overlap: while MPI reduces
+chunk k, chunk k+1 is copied to the host and chunk k-1 back to the device.
+
+Protocol of one all-reduce (:class:`Pipeline`):
+
+1. the copy stream (one per device, kept) waits for the current stream, which produced the data;
+2. chunk k is copied device -> host on the copy stream into a pinned buffer taken from a pool
+   (buffers are reused; no page-locked allocation per call), and an event is recorded;
+3. once that event has completed, chunk k's non-blocking all-reduce starts, in place on the host
+   buffer. Chunks start strictly in order, so every rank issues their collectives in the same
+   order;
+4. once it has completed, chunk k is copied host -> device on the copy stream, and an event is
+   recorded; when that event has completed the host buffer goes back to the pool and the next
+   chunk's copy starts. At most :data:`DEPTH` chunks are in flight;
+5. after the last chunk the current stream waits for the copy stream: work queued after the call
+   sees the result.
+
+The steps advance whenever the operation is tested or waited for (``Test``/``Wait`` of its request,
+:func:`~heatlike.core.communication.wait_all`, the engine's progress calls), and a blocking call
+drives them to the end. The later chunks' collectives start when this rank's progress reaches
+them, so a non-blocking pipelined reduction is only used on a communicator that promises one
+operation at a time (``Dup(serial=True)``, the engine's private channels); elsewhere the
+non-blocking form stages the whole buffer at once (a single collective).
+
+Each chunk is reduced element by element exactly as in one call; only the MPI library's choice
+of algorithm for the smaller message can change the order in which floating-point values of
+three or more ranks are added (integers, and any two ranks, give bitwise the same result).
+
+Without a GPU the same protocol runs on host tensors under ``force_staging`` (copies are
+immediate and events absent), which is how the suite tests it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from mpi4py import MPI
+
+from .env import env_float
+
+__all__ = ["DEPTH", "chunk_bytes", "staging_chunk", "Pipeline"]
+
+#: chunks in flight at once (each holds one pooled host buffer)
+DEPTH = 4
+
+_DEFAULT_CHUNK_MB = 4.0
+_chunk_override: int | None = None
+
+
+def chunk_bytes() -> int:
+    """Bytes per chunk: ``HEATLIKE_STAGING_CHUNK_MB`` (MiB, default 4), or the value set by
+    :func:`staging_chunk`."""
+    if _chunk_override is not None:
+        return _chunk_override
+    mb = env_float("HEATLIKE_STAGING_CHUNK_MB", _DEFAULT_CHUNK_MB, minimum=1e-6,
+                   meaning="MiB per chunk of a pipelined staged reduction")
+    return max(1, int(mb * 2 ** 20))
+
+
+@contextlib.contextmanager
+def staging_chunk(nbytes: int) -> Iterator[None]:
+    """Use chunks of ``nbytes`` bytes inside the block (tests and benchmarks)."""
+    global _chunk_override
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(f"nbytes must be a positive integer, got {nbytes!r}")
+    old, _chunk_override = _chunk_override, nbytes
+    try:
+        yield
+    finally:
+        _chunk_override = old
+
+
+# ---------------------------------------------------------------------------- host buffers
+
+
+class _HostPool:
+    """Reused host buffers, pinned for device data: at most ``keep`` free buffers of each size
+    are kept (a pipeline needs ``DEPTH`` of its chunk size)."""
+
+    def __init__(self, keep: int = 2 * DEPTH) -> None:
+        self.keep = keep
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        free = self._free.get((nbytes, pinned))
+        if free:
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor, pinned: bool) -> None:
+        free = self._free.setdefault((buf.numel(), pinned), [])
+        if len(free) < self.keep:
+            free.append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+pool = _HostPool()
+_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _streams.get(device)
+    if stream is None:
+        stream = _streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+# ---------------------------------------------------------------------------- the pipeline
+
+
+class _Chunk:
+    __slots__ = ("start", "count", "raw", "host", "event", "request", "stage")
+
+    def __init__(self, start: int, count: int, raw: torch.Tensor, dtype: torch.dtype) -> None:
+        self.start, self.count, self.raw = start, count, raw
+        self.host = raw[:count * dtype.itemsize].view(dtype)
+        self.event = None
+        self.request: MPI.Request | None = None
+        self.stage = "in"  # "in" (to host), "mpi", "out" (back to the device)
+
+
+class Pipeline:
+    """One pipelined all-reduce of ``src`` into ``dst`` (contiguous tensors of one dtype and
+    size; ``src is dst`` in place) with ``op`` over ``comm`` (an mpi4py communicator), in chunks
+    of ``chunk`` elements. A request-like phase: ``Test()`` advances it and says whether it has
+    finished, ``Wait()`` drives it to the end. Its first copies are queued at construction."""
+
+    def __init__(self, comm: MPI.Comm, src: torch.Tensor, dst: torch.Tensor, op: MPI.Op,
+                 mpi_type: MPI.Datatype, chunk: int) -> None:
+        self.comm, self.op, self.mpi_type = comm, op, mpi_type
+        self.src, self.dst = src.view(-1), dst.view(-1)
+        self.chunk = chunk
+        self.n = self.dst.numel()
+        self.cuda = dst.is_cuda
+        self.itemsize = dst.element_size()
+        self.stream = None
+        if self.cuda:
+            self.stream = _copy_stream(dst.device)
+            self.stream.wait_stream(torch.cuda.current_stream(dst.device))
+        self.flight: list[_Chunk] = []
+        self.next_in = 0  # first element not yet taken to the host
+        self.finished = False
+        self._fill()
+
+    # -- stages --------------------------------------------------------------------------------
+
+    def _fill(self) -> None:
+        while len(self.flight) < DEPTH and self.next_in < self.n:
+            start = self.next_in
+            count = min(self.chunk, self.n - start)
+            c = _Chunk(start, count, pool.take(self.chunk * self.itemsize, self.cuda),
+                       self.dst.dtype)
+            c.event = self._copy(c.host, self.src[start:start + count])
+            self.flight.append(c)
+            self.next_in = start + count
+
+    def _copy(self, to: torch.Tensor, frm: torch.Tensor):
+        """Copy on the copy stream (immediately on the host); the event marking its end, or
+        None."""
+        if self.stream is None:
+            to.copy_(frm)
+            return None
+        with torch.cuda.stream(self.stream):
+            to.copy_(frm, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    @staticmethod
+    def _done(event) -> bool:
+        return event is None or event.query()
+
+    def _advance(self) -> None:
+        """Move every chunk as far as it can go without blocking; chunks start their collectives
+        in order (a chunk waiting for its copy holds back the ones after it)."""
+        may_start = True
+        for c in list(self.flight):
+            if c.stage == "in":
+                if may_start and self._done(c.event):
+                    memory = MPI.buffer.fromaddress(c.host.data_ptr(), c.host.nbytes)
+                    c.request = self.comm.Iallreduce(
+                        MPI.IN_PLACE, [memory, c.count, self.mpi_type], self.op)
+                    c.stage = "mpi"
+                else:
+                    may_start = False
+            if c.stage == "mpi" and c.request.Test():
+                c.event = self._copy(self.dst[c.start:c.start + c.count], c.host)
+                c.stage = "out"
+            if c.stage == "out" and self._done(c.event):
+                self._retire(c)
+        self._fill()
+        if not self.flight and self.next_in >= self.n and not self.finished:
+            if self.stream is not None:
+                torch.cuda.current_stream(self.dst.device).wait_stream(self.stream)
+            self.finished = True
+
+    def _retire(self, c: _Chunk) -> None:
+        self.flight.remove(c)
+        pool.give(c.raw, self.cuda)
+
+    # -- the request interface ------------------------------------------------------------------
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        if not self.finished:
+            self._advance()
+        return self.finished
+
+    def Wait(self, status: MPI.Status | None = None) -> None:
+        while not self.Test():
+            c = self.flight[0]  # block on the oldest chunk's current stage
+            if c.stage == "in" and c.event is not None:
+                c.event.synchronize()
+            elif c.stage == "mpi":
+                c.request.Wait()
+            elif c.stage == "out" and c.event is not None:
+                c.event.synchronize()
+
+    def Cancel(self) -> None:
+        """Collectives cannot be cancelled: nothing to do (as for MPI)."""
+
+    wait, test = Wait, Test

@@ -1,0 +1,221 @@
+"""Pipelined staging (``heatlike.core._staging``), exercised without a GPU through
+``force_staging``: the pipelined all-reduce gives bitwise the result of the direct one at every
+chunk boundary, for every dtype and completion path; it is used exactly where it may be (staged,
+contiguous, predefined op, not half precision, blocking or on a serial communicator) and
+otherwise the whole buffer is staged at once; host buffers are reused; the engine runs staged
+gradient buckets through it."""
+
+import contextlib
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import heatlike as hl
+from heatlike.core import _staging
+from heatlike.core._buffers import force_staging
+
+pytestmark = pytest.mark.mpi
+
+CHUNK = 8  # elements per chunk in these tests
+DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.bool,
+          torch.complex64]
+SIZES = [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 5 * CHUNK + 3,
+         (_staging.DEPTH + 3) * CHUNK + 1]
+
+
+@pytest.fixture
+def pipelines(monkeypatch):
+    """Counts the pipelines built."""
+    made = []
+    real = _staging.Pipeline.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(args[2].numel())
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(_staging.Pipeline, "__init__", spy)
+    return made
+
+
+@contextlib.contextmanager
+def _staged(dtype):
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    with force_staging(), _staging.staging_chunk(CHUNK * itemsize):
+        yield
+
+
+def _values(comm, n, dtype, salt=0):
+    """Rank-specific values whose sums are exact (small integers), so any summation order gives
+    the same bits."""
+    g = torch.Generator().manual_seed(1000 * comm.rank + salt)
+    ints = torch.randint(-50, 50, (n,), generator=g)
+    if dtype is torch.bool:
+        return ints > 0
+    if dtype is torch.uint8:
+        return (ints.abs() % 3).to(dtype)
+    if dtype.is_complex:
+        return torch.complex(ints.float(), -ints.float()).to(dtype)
+    return ints.to(dtype)
+
+
+def _complete(comm, mode, sendbuf, recvbuf, op):
+    if mode == "blocking":
+        comm.Allreduce(sendbuf, recvbuf, op)
+        return
+    serial = comm.Dup(serial=True)
+    request = serial.Iallreduce(sendbuf, recvbuf, op)
+    if mode == "Wait":
+        request.Wait()
+    elif mode == "wait":
+        request.wait()
+    elif mode == "Test":
+        while not request.Test():
+            pass
+    elif mode == "test":
+        while not request.test():
+            pass
+    elif mode == "wait_all":
+        hl.wait_all([request])
+    elif mode == "test_all":
+        while not hl.core.test_all([request]):
+            pass
+    serial.Free()
+
+
+MODES = ["blocking", "Wait", "wait", "Test", "test", "wait_all", "test_all"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_pipelined_allreduce_is_bitwise_the_direct_one(comm, pipelines, dtype):
+    ops = [MPI.SUM, MPI.MAX] if dtype is not torch.complex64 else [MPI.SUM]
+    for n in SIZES:
+        for op in ops:
+            x = _values(comm, n, dtype)
+            expected = x.clone()
+            comm.Allreduce(MPI.IN_PLACE, expected, op)  # direct: plain host buffers
+            for mode in MODES:
+                for in_place in (True, False):
+                    got = x.clone() if in_place else torch.empty_like(x)
+                    before = len(pipelines)
+                    with _staged(dtype):
+                        _complete(comm, mode, MPI.IN_PLACE if in_place else x, got, op)
+                    what = f"n={n} {op} {mode} in_place={in_place}"
+                    assert torch.equal(got, expected), what
+                    if comm.size > 1:
+                        assert len(pipelines) == before + (n > CHUNK), what
+
+
+def test_float_values_of_any_magnitude(comm):
+    """Random floats (sums not exact): at two ranks addition is commutative, so any order of
+    the two values gives the same bits; with more ranks the chunks may be summed in another
+    order by the library, within a rounding."""
+    n = 13 * CHUNK + 5
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(
+        -5, 5, (n,), generator=g)
+    expected = x.clone()
+    comm.Allreduce(MPI.IN_PLACE, expected, MPI.SUM)
+    got = x.clone()
+    with _staged(torch.float64):
+        comm.Allreduce(MPI.IN_PLACE, got, MPI.SUM)
+    if comm.size <= 2:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=0)
+
+
+def test_where_the_pipeline_is_not_used(comm, pipelines):
+    """Whole-buffer staging (one collective) for strided buffers, half types, user-defined ops,
+    buffers of one chunk, and non-blocking calls on an ordinary communicator (their later chunks
+    could interleave with other operations there); the results are the same."""
+    if comm.size == 1:
+        pytest.skip("one rank exchanges nothing")
+    n = 6 * CHUNK
+    x = _values(comm, 2 * n, torch.float32)
+    cases = []
+    strided = x.clone()[::2]
+    cases.append(("strided", lambda: comm.Allreduce(MPI.IN_PLACE, strided, MPI.SUM), strided,
+                  x[::2]))
+    half = x[:n].to(torch.bfloat16)
+    cases.append(("bfloat16", lambda: comm.Allreduce(MPI.IN_PLACE, half, MPI.SUM), half,
+                  x[:n].to(torch.bfloat16)))
+    plus = MPI.Op.Create(lambda a, b, t: None, commute=True)  # user-defined: no pipeline
+    world = x[:n].clone()
+    cases.append(("world, non-blocking",
+                  lambda: comm.Iallreduce(MPI.IN_PLACE, world, MPI.SUM).Wait(), world, x[:n]))
+    try:
+        for name, call, buf, start in cases:
+            expected = start.clone()
+            comm.Allreduce(MPI.IN_PLACE, expected, MPI.SUM)
+            before = len(pipelines)
+            with _staged(buf.dtype):
+                call()
+            assert len(pipelines) == before, name
+            torch.testing.assert_close(buf, expected, rtol=0, atol=0, msg=name)
+        with _staged(torch.float32):
+            before = len(pipelines)
+            comm.Allreduce(MPI.IN_PLACE, x[:n].clone(), plus)
+            assert len(pipelines) == before
+    finally:
+        plus.Free()
+
+
+def test_host_buffers_are_reused(comm):
+    if comm.size == 1:
+        pytest.skip("one rank exchanges nothing")
+    _staging.pool.clear()
+    x = _values(comm, 20 * CHUNK, torch.int64)
+    with _staged(torch.int64):
+        comm.Allreduce(MPI.IN_PLACE, x.clone(), MPI.SUM)
+        kept = {id(b) for b in _staging.pool._free[(CHUNK * 8, False)]}
+        assert 0 < len(kept) <= _staging.DEPTH
+        for _ in range(3):
+            comm.Allreduce(MPI.IN_PLACE, x.clone(), MPI.SUM)
+        assert {id(b) for b in _staging.pool._free[(CHUNK * 8, False)]} == kept
+
+
+def test_chunk_size_setting(monkeypatch):
+    monkeypatch.setenv("HEATLIKE_STAGING_CHUNK_MB", "0.5")
+    assert _staging.chunk_bytes() == 2 ** 19
+    monkeypatch.setenv("HEATLIKE_STAGING_CHUNK_MB", "-1")
+    with pytest.raises(ValueError, match="HEATLIKE_STAGING_CHUNK_MB"):
+        _staging.chunk_bytes()
+    monkeypatch.delenv("HEATLIKE_STAGING_CHUNK_MB")
+    assert _staging.chunk_bytes() == 4 * 2 ** 20
+    with _staging.staging_chunk(64):
+        assert _staging.chunk_bytes() == 64
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            with _staging.staging_chunk(bad):
+                pass
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_data_parallel_runs_staged_buckets_through_the_pipeline(comm, pipelines, blocking):
+    """Gradient buckets staged through host memory: the engine runs them on its private channel,
+    pipelined, and trains bitwise the same model as with host buffers."""
+
+    def train(staging):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(),
+                                  torch.nn.Linear(32, 4))
+        scope = _staged(torch.float32) if staging else contextlib.nullcontext()
+        with scope:
+            opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                                 blocking=blocking)
+            model = hl.nn.DataParallel(net, comm, opt)
+            g = torch.Generator().manual_seed(comm.rank)
+            for _ in range(4):
+                x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+            model(x)  # applies the last deferred update in non-blocking mode
+        return [p.detach().clone() for p in net.parameters()]
+
+    plain = train(False)
+    before = len(pipelines)
+    staged = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, staged))
+    if comm.size > 1:
+        assert len(pipelines) >= before + 4
