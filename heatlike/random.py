@@ -212,6 +212,14 @@ def _split_runs(runs: list[tuple[int, int]], parts: int) -> list[list[tuple[int,
     return [g for g in groups if g]
 
 
+def _aligned_empty(n: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized numpy array in memory from torch's allocator (64-byte aligned, where
+    numpy's own is only 16-byte aligned): torch's vectorized kernels over the tensor made from
+    it run at full speed (a sum over a 16-byte aligned array measured about 10% slower)."""
+    itemsize = np.dtype(dtype).itemsize
+    return torch.empty(n * itemsize, dtype=torch.uint8).numpy().view(dtype)
+
+
 def _values(kind: str, shape: tuple[int, ...], split: int | None, lo: int, hi: int, per: int,
             seed_value: int, call: int) -> torch.Tensor:
     """The local part's stream values, ``(local numel, per)``: float64 / float32, or the raw
@@ -222,7 +230,7 @@ def _values(kind: str, shape: tuple[int, ...], split: int | None, lo: int, hi: i
     global _pool
     runs = _runs(shape, split, lo, hi, per)
     total = sum(c for _, c in runs)
-    out = np.empty(total, dtype=_Stream._DTYPE[kind])
+    out = _aligned_empty(total, _Stream._DTYPE[kind])
     threads = min(torch.get_num_threads(), max(1, total // _PARALLEL_MIN))
     if threads <= 1:
         _Stream(seed_value, call, kind).fill(out, runs)
