@@ -178,7 +178,13 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     m = sample.numel()
     above = min(m, math.ceil(1.5 * k * m / n) + 8)
     threshold = torch.kthvalue(sample, m - above + 1).values
-    candidates = flat_nonzero(~(a < threshold))
+    if a.device.type == "cpu" and a.dtype is not torch.bfloat16:
+        # numpy's comparison with a scalar and in-place negation: about 2x torch's here
+        keep = np.less(a.numpy(), threshold.item())
+        np.logical_not(keep, out=keep)  # NaN is not below the threshold: kept
+        candidates = torch.from_numpy(np.flatnonzero(keep))
+    else:
+        candidates = flat_nonzero(~(a < threshold))
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
     return candidates[torch.topk(a[candidates], k, sorted=False).indices]
