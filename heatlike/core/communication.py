@@ -1002,8 +1002,8 @@ class MPICommunication:
         size = self.size
         send_axis = _check_axis(send_axis, "send_axis", name)
         recv_axis = send_axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", name)
-        plain = _buffers.as_tensor(recvbuf[0] if isinstance(recvbuf, (tuple, list)) else recvbuf,
-                                   "recvbuf", True)[0]
+        whole = recvbuf[0] if isinstance(recvbuf, (tuple, list)) and recvbuf else recvbuf
+        plain = _buffers.as_tensor(whole, "recvbuf", True)[0]
         nd = max(plain.dim(), 1)
         if not -nd <= send_axis < nd or not -nd <= recv_axis < nd:
             raise ValueError(f"{name}: send_axis {send_axis} / recv_axis {recv_axis} are not "
