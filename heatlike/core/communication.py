@@ -250,11 +250,12 @@ def _pipelines(recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
                settled: bool) -> bool:
     """Whether an all-reduce goes through the staging pipeline (``_staging``): staged buffers
     (device memory without a CUDA-aware library, or ``force_staging``) larger than one chunk,
-    contiguous, of a type MPI reduces itself with a predefined op (half types accumulate in
-    float32 elsewhere), on a call whose later chunks cannot interleave with other operations
-    (``settled``: blocking, or a serial communicator)."""
-    return (settled and _buffers.staged(recv) and recv.is_contiguous()
-            and (send is None or (_buffers.staged(send) and send.is_contiguous()))
+    of a type MPI reduces itself with a predefined op (half types accumulate in float32
+    elsewhere), on a call whose later chunks cannot interleave with other operations
+    (``settled``: blocking, or a serial communicator). Only what every rank's call has in
+    common decides (not a buffer's layout): every rank must stage alike and use the same
+    ``HEATLIKE_STAGING_CHUNK_MB``."""
+    return (settled and _buffers.staged(recv) and (send is None or _buffers.staged(send))
             and recv.dtype not in HALF_DTYPES and is_predefined_op(op)
             and recv.numel() * recv.element_size() > _staging.chunk_bytes())
 
@@ -387,6 +388,9 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
                     count //= self.size
                 if name == "Scatter" and not from_recv:
                     count //= self.size
+    if name == "Alltoall" and not (a.get("send_axis") in (0, 1)
+                                   and a.get("recv_axis") in (None, 0, 1)):
+        count = -1  # sub-arrays of an uneven split: local sizes legitimately differ
     if name in ("Reduce_scatter", "Reduce_scatter_block") and a.get("sendbuf") is IN_PLACE:
         count = -1  # the receive buffer's size is the input size there, not the result's
     return (_checks.opcode(name), op.py2f() if isinstance(op, MPI.Op) else 0,
@@ -818,13 +822,20 @@ class MPICommunication:
         op = mpi_op(recv.dtype, op)
         send = _same_size_send(sendbuf, recv, "Allreduce")
         if _pipelines(recv, send, op, blocking or self.serial or _requests.settled):
+            # contiguous temporaries for strided views: the choice to pipeline must not depend
+            # on a rank's own layout (ranks choosing differently would issue other collectives)
+            target = recv if recv.is_contiguous() else recv.contiguous()
+            source = target if send is None else send.contiguous()
             chunk = max(1, _staging.chunk_bytes() // recv.element_size())
-            pipe = _staging.Pipeline(self.handle, recv if send is None else send, recv, op,
-                                     mpi_type(recv.dtype), chunk)
+            pipe = _staging.Pipeline(self.handle, source, target, op, mpi_type(recv.dtype), chunk)
             if blocking:
                 pipe.Wait()
             else:
                 yield pipe
+            if target is not recv:
+                recv.copy_(target)
+            if back is not None:
+                back()
             return
         src = None if send is None else readable(send)
         dst, fin = writable(recv, back, keep_contents=send is None)
