@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import ModuleType
 
+_MISSING = object()
+
 
 def forward_to(name: str, namespace: dict, target: ModuleType
                ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
@@ -14,11 +16,9 @@ def forward_to(name: str, namespace: dict, target: ModuleType
     Private names (leading underscore) are never forwarded."""
 
     def __getattr__(attr: str):
-        if not attr.startswith("_"):
-            try:
-                return getattr(target, attr)
-            except AttributeError:
-                pass
+        found = getattr(target, attr, _MISSING) if not attr.startswith("_") else _MISSING
+        if found is not _MISSING:
+            return found
         raise AttributeError(f"module {name!r} has no attribute {attr!r} (neither {name} nor "
                              f"{target.__name__} defines it)")
 
