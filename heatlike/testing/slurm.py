@@ -66,6 +66,7 @@ _KEEP_SLURM = ("SLURM_CONF",)
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 REQUEUE_SETTLE_S = 3.0  # a final state seen this long apart twice has settled
+REQUEUE_RELEASE_S = 3  # a requeued job may start again this many seconds after it is seen
 # pending reasons of a job that asks for more than the cluster has: cancelled at once
 NEVER_STARTS = ("PartitionNodeLimit", "PartitionConfig", "BadConstraints", "PartitionTimeLimit")
 
@@ -136,6 +137,7 @@ class Slurm:
         self.cpus = int(cpus)
         self.dir = cluster.state_dir / "slurm"
         self._submitted: dict[int, tuple] = {}
+        self._released: dict[int, str] = {}  # job id -> the restart count already let go
 
     @property
     def conf(self) -> Path:
@@ -358,12 +360,18 @@ class Slurm:
 
     def poll(self, job_id: int, release_requeued: bool = True) -> dict[str, str]:
         """:meth:`job_info`; a requeued job that SLURM holds back (two minutes, before it may
-        start again) is let go at once when ``release_requeued`` (``scontrol update
-        StartTime=now``), so that a requeue costs seconds."""
+        start again) is let go after :data:`REQUEUE_RELEASE_S` seconds when ``release_requeued``
+        (``scontrol update StartTime=now+N``, once per restart), so that a requeue costs
+        seconds. Not at once: slurmd refuses a credential issued in the same second as the
+        revocation of the run it replaces ("Job credential revoked") and the job fails."""
         info = self.job_info(job_id)
+        restarts = info.get("Restarts", "0")
         if (release_requeued and info.get("JobState") == "PENDING"
-                and info.get("Reason") == "BeginTime" and info.get("Restarts", "0") != "0"):
-            subprocess.run([_tool("scontrol"), "update", f"JobId={job_id}", "StartTime=now"],
+                and info.get("Reason") == "BeginTime" and restarts != "0"
+                and self._released.get(job_id) != restarts):
+            self._released[job_id] = restarts
+            subprocess.run([_tool("scontrol"), "update", f"JobId={job_id}",
+                            f"StartTime=now+{REQUEUE_RELEASE_S}"],
                            env=self.environment(), timeout=30, capture_output=True, check=False)
         return info
 
