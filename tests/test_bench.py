@@ -621,3 +621,21 @@ def test_cluster_suite_in_a_running_job_reports_the_engines_bytes(tmp_path):
     assert row["counted"] == "engine payload" and row["rate"] == "as launched"
     assert row["link_bytes"] == pytest.approx(row["payload_bytes_per_step"] * row["steps"])
     assert row["link_bytes"] > 0 and "engine payload" in stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["-m", "heatlike.bench", "--help"], ["-m", "heatlike.bench", "cluster", "--help"],
+    ["-m", "heatlike.testing.cluster", "--help"], ["-m", "heatlike.testing.matrix", "--help"],
+    ["-m", "heatlike.bench.plot", "--help"],
+    ["scripts/conformance/run_heat_tests.py", "--help"]])
+def test_every_command_line_prints_its_help(argv):
+    """``--help`` of every command the project ships prints the usage and exits 0 (a ``%`` in a
+    help text once made argparse raise instead)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=root)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr

@@ -205,7 +205,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", default="1gbit,10gbit",
                    help="link rates, comma-separated (default 1gbit,10gbit)")
     p.add_argument("--algorithms", metavar="A,B,...",
-                   help=f"algorithms (default: {','.join(ALGORITHMS)})")
+                   help="algorithms (default: " + ",".join(ALGORITHMS).replace("%", "%%") + ")")
     p.add_argument("--models", metavar="M,...", help="mlp, cnn or both (default both)")
     p.add_argument("--epochs", type=int, default=0, help="epochs per job (default 6)")
     p.add_argument("--timeout", type=float, default=1200.0,
