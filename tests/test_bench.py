@@ -47,7 +47,10 @@ def test_links_and_layout():
     assert cm.Layout(4, 4).flat_link(LINKS) == LOCAL
 
 
-def test_primitives_by_hand():
+def test_primitives_by_hand(monkeypatch):
+    monkeypatch.delenv("HEATLIKE_NODE_AWARE", raising=False)
+    monkeypatch.delenv("HEATLIKE_NODE_AWARE_MIN_KB", raising=False)
+    monkeypatch.delenv("HEATLIKE_NODE_AWARE_CHUNK_KB", raising=False)
     n = 8e6
     # ring all-reduce: 2 (p-1) (alpha + n/p beta)
     assert cm.ring_allreduce(n, 8, CROSS) == pytest.approx(2 * 7 * (5e-6 + 1e6 * 1e-9))
@@ -59,10 +62,22 @@ def test_primitives_by_hand():
     assert cm.bcast(n, 4, LOCAL) == cm.reduce(n, 4, LOCAL)
     # hierarchical on 4 nodes x 4 ranks: local reduce-scatter of n (3 steps of n/4) + the 4
     # shards all-reduced across the 4 nodes at once (a ring of n at the node's link) + local
-    # all-gather of the n/4 shards
+    # all-gather of the n/4 shards; in one chunk the phases add up
     lay = cm.Layout(16, 4)
     expected = 2 * (3 * (2e-6 + 2e6 * 1e-10)) + 2 * 2 * 5e-6 + 2 * 3 / 4 * n * 1e-9
-    assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(expected)
+    assert cm.hierarchical_allreduce(n, lay, LINKS, chunk=n) == pytest.approx(expected)
+    # in 8 chunks of 1e6 bytes (the default 1 MiB chunk): the slowest phase (across the nodes)
+    # for 7 chunks, then the three phases of the last one
+    inside = 3 * (2e-6 + 1e6 / 4 * 1e-10)
+    across = 2 * 2 * 5e-6 + 2 * 3 / 4 * 1e6 * 1e-9
+    assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(
+        7 * across + 2 * inside + across)
+    # the engine's all-reduce: that from 1 MiB on over full nodes; the library's below it, on
+    # one node or partial nodes, and with HEATLIKE_NODE_AWARE=0
+    assert cm.engine_allreduce(n, lay, LINKS) == cm.hierarchical_allreduce(n, lay, LINKS)
+    assert cm.engine_allreduce(1e5, lay, LINKS) == cm.library_allreduce(1e5, lay, LINKS)
+    for other in (cm.Layout(4, 4), cm.Layout(6, 4)):
+        assert cm.engine_allreduce(n, other, LINKS) == cm.library_allreduce(n, other, LINKS)
     # recursive halving + doubling: 2 ceil(log2 p) alpha + 2 (p-1)/p n beta
     assert cm.halving_allreduce(n, 8, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 7 / 8 * n * 1e-9)
     assert cm.halving_allreduce(n, 6, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 5 / 6 * n * 1e-9)
@@ -76,6 +91,8 @@ def test_primitives_by_hand():
     assert cm.library_allreduce(n, cm.Layout(4, 4), LINKS) == pytest.approx(
         cm.halving_allreduce(n, 4, LOCAL))
     assert cm.neighbor_exchange(1000, 2, LOCAL) == pytest.approx(2 * (2e-6 + 1000 * 1e-10))
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE", "0")
+    assert cm.engine_allreduce(n, lay, LINKS) == cm.library_allreduce(n, lay, LINKS)
 
 
 def test_algorithm_models_by_hand():
@@ -635,7 +652,9 @@ def test_every_command_line_prints_its_help(argv):
     import sys
     from pathlib import Path
 
+    from heatlike.testing.matrix import _clean_env
+
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
-                          cwd=root)
+                          cwd=root, env=_clean_env())
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr

@@ -210,6 +210,18 @@ def test_same_axes_from_two_on_are_refused_as_in_heat(comm):
             comm.Alltoall(x, torch.zeros_like(x), send_axis=2, recv_axis=2)
 
 
+def test_sub_array_alltoall_takes_only_torch_tensors_and_dndarrays(comm):
+    """Axes >= 2 on a numpy buffer are a TypeError naming the buffer (as an axis other than 0
+    is in every other collective), plain or with counts, before anything is sent."""
+    x = np.zeros((2, 3, 2 * comm.size), dtype=np.float32)
+    t = torch.zeros(2, 3, 2 * comm.size)
+    counts = [2] * comm.size
+    with pytest.raises(TypeError, match="sendbuf of type ndarray supports axis 0 only"):
+        comm.Alltoallv(x, t, send_axis=2, recv_axis=1)
+    with pytest.raises(TypeError, match="recvbuf of type ndarray supports axis 0 only"):
+        comm.Alltoallv((t, counts), (x, [1] * comm.size), send_axis=2, recv_axis=1)
+
+
 @both
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_bool_reductions_are_logical(comm, nonblocking, layout):

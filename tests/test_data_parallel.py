@@ -77,11 +77,32 @@ def _loss(out, y):
     return nn.functional.cross_entropy(out, y)
 
 
+def _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps: int) -> None:
+    """``steps`` steps of DataParallel (each rank its share of the batch) and of the reference
+    (the whole batch), compared after every step, and the same parameters on every rank."""
+    P, r = comm.size, comm.rank
+    local = model.module
+    for step in range(steps):
+        x, y = _data(step, P * B)
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        mine = slice(r * B, (r + 1) * B)
+        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        dp_opt.step()
+        if not dp_opt.blocking:
+            assert dp_opt.update_next or model.grad_sync.passthrough
+            model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL, msg=f"step {step}")
+        _same_on_all_ranks(comm, local)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one-bucket", "many-buckets"])
 def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket_mb):
-    P, r = comm.size, comm.rank
+    r = comm.rank
     reference = Net(seed=0)
     local = Net(seed=100 + r)  # different on every rank: DataParallel broadcasts rank 0's
     if r == 0:
@@ -95,23 +116,31 @@ def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket
     assert len(model.grad_sync.buckets) > (1 if bucket_mb < 1 else 0)
     never_before = local.never.weight.detach().clone()
     frozen_before = local.frozen.weight.detach().clone()
-    for step in range(4):
-        x, y = _data(step, P * B)
-        ref_opt.zero_grad()
-        _loss(reference(x, y), y).backward()
-        ref_opt.step()
-        dp_opt.zero_grad()
-        mine = slice(r * B, (r + 1) * B)
-        _loss(model(x[mine], y[mine]), y[mine]).backward()
-        dp_opt.step()
-        if not blocking:
-            assert dp_opt.update_next or model.grad_sync.passthrough
-            model.flush()
-        torch.testing.assert_close(_flat(local), _flat(reference), **TOL,
-                                   msg=f"step {step}")
-        _same_on_all_ranks(comm, local)
+    _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps=4)
     assert torch.equal(local.never.weight, never_before), "an unused parameter was updated"
     assert torch.equal(local.frozen.weight, frozen_before), "a frozen parameter was updated"
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_node_aware_sums_match_single_process(comm, monkeypatch, blocking):
+    """With 2 ranks per node (4 ranks: two nodes) every bucket is summed node-aware, in chunks
+    of 256 floats, and training still follows one process with the combined batch; elsewhere
+    the same run takes MPI's all-reduce."""
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", "2" if comm.size % 2 == 0 else "1")
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "0")
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_CHUNK_KB", "1")
+    c = comm.Dup()
+    try:
+        reference = Net(seed=0)
+        local = copy.deepcopy(reference)
+        ref_opt = _optimizer("sgd", reference)
+        dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=blocking)
+        model = DataParallel(local, c, optimizer=dp_opt)
+        layered = c.size >= 4 and c.size % 2 == 0
+        assert model.grad_sync.reducer.node_aware is layered
+        _train_side_by_side(c, model, dp_opt, reference, ref_opt, steps=3)
+    finally:
+        c.Free()
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])

@@ -276,6 +276,92 @@ def test_half_sums_on_equal_nodes_are_node_aware(comm, monkeypatch, dtype):
             c.Free()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_node_aware_sum_in_chunks_equals_the_sum(comm, monkeypatch, dtype):
+    """The pipelined node-aware sum on nodes of 1, 2 and all ranks (where they divide the world):
+    buffers of one element, fewer elements than ranks per node, exactly one chunk, one more, and
+    many chunks with a ragged last one, each equal on every rank to the sum of every rank's data
+    (exact for float64 integers; within the half sum's bound for bfloat16)."""
+    from heatlike.engine.reducers import node_aware_sum
+
+    chunk_bytes = 64 * torch.empty(0, dtype=dtype).element_size()  # 64 elements a chunk
+    for per_node in sorted({1, 2, comm.size}):
+        if comm.size % per_node:
+            continue
+        monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
+        topo = Topology(comm)
+        try:
+            for n in (1, 3, 64, 65, 64 * 7 + 5):
+                xs = [torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(
+                    r * 1000 + n)).to(dtype) for r in range(comm.size)]
+                got = xs[comm.rank].clone()
+                Request(node_aware_sum(got, hl.MPI.SUM, topo.node_comm, topo.cross_comm,
+                                       chunk_bytes=chunk_bytes)).Wait()
+                expected = torch.stack([x.double() for x in xs]).sum(0)
+                if dtype is torch.bfloat16:  # two roundings: the node's partial sum, the total
+                    bound = 2 * 2.0 ** -7 * torch.stack([x.double().abs() for x in xs]).sum(0)
+                    assert (got.double() - expected).abs().le(bound).all(), (per_node, n)
+                else:
+                    assert torch.equal(got.double(), expected), (per_node, n, dtype)
+        finally:
+            topo.free()
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_float_sums_on_equal_nodes_go_node_aware_from_the_threshold(comm, monkeypatch,
+                                                                    setting):
+    """AllReduce over several nodes of equal size (> 1 rank): float32 sums of at least
+    ``HEATLIKE_NODE_AWARE_MIN_KB`` run as the node-aware sum on the channel and smaller ones as
+    MPI's all-reduce; ``HEATLIKE_NODE_AWARE=0``, one node, or nodes of one rank: always MPI's.
+    ``single_phase`` says which (what the engine's lanes are built from). Results equal the
+    average on every rank either way."""
+    import heatlike.engine.reducers as reducers
+
+    calls = []
+    original = reducers.node_aware_sum
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].numel())
+        return (yield from original(*args, **kwargs))
+
+    monkeypatch.setattr(reducers, "node_aware_sum", spy)
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE", "1" if setting == "on" else "0")
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "4")  # 1024 float32
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_CHUNK_KB", "1")
+    per_node = 2 if comm.size % 2 == 0 else comm.size
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
+    c = comm.Dup()
+    try:
+        red = AllReduce(c, op="avg")
+        layered = setting == "on" and per_node == 2 and comm.size >= 4
+        assert red.node_aware is layered and red.single_phase is not layered
+        channel = red.open_channel()
+        for n in (1023, 1024, 3000):
+            xs = [_x(r, n) for r in range(comm.size)]
+            got = xs[comm.rank].clone()
+            calls.clear()
+            Request(exchange(got, Identity(), red, Context(
+                key=0, shapes=[(n,)], size=comm.size, rank=comm.rank, step=0, state={}),
+                channel=channel)).Wait()
+            torch.testing.assert_close(got, torch.stack(xs).mean(0), rtol=1e-6, atol=1e-6)
+            assert calls == ([n] if layered and n >= 1024 else []), (n, calls)
+        for ch in (channel.values() if isinstance(channel, dict) else [channel]):
+            ch.Free()
+    finally:
+        c.Free()
+
+
+def test_node_aware_settings_are_checked(monkeypatch):
+    from heatlike.engine.reducers import node_aware_chunk_bytes, node_aware_min_bytes
+
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_CHUNK_KB", "2")
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "0")
+    assert node_aware_chunk_bytes() == 2048 and node_aware_min_bytes() == 0
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_CHUNK_KB", "1MB")
+    with pytest.raises(ValueError, match="HEATLIKE_NODE_AWARE_CHUNK_KB='1MB' is not valid"):
+        node_aware_chunk_bytes()
+
+
 @pytest.mark.parametrize("kind", ["ring", "torus", "exponential", "complete"])
 @pytest.mark.parametrize("weights", ["metropolis", "uniform"])
 def test_gossip_preserves_average_and_contracts(comm, kind, weights):

@@ -34,14 +34,18 @@ Primitives, for n bytes per rank on p ranks over link (alpha, beta):
   (reduce-scatter + gather; scatter + all-gather);
 * hierarchical all-reduce (heatlike's ``node_aware_sum``): node-local reduce-scatter
   ``(L - 1) (alpha + n/L beta)`` + the L shards all-reduced across the N nodes at once, sharing
-  the node's link: ``halving(n, N, cross)`` + node-local all-gather of the n/L shards;
+  the node's link: ``halving(n, N, cross)`` + node-local all-gather of the n/L shards, each
+  phase on chunks of c bytes (1 MiB) in a pipeline: the slowest phase's time for every chunk
+  but one plus the three phases of one chunk;
+* the engine's all-reduce (every preset that sums): the hierarchical all-reduce on several full
+  nodes of more than one rank from 1 MiB on, the library's otherwise;
 * neighbor exchange of n bytes with d neighbors: ``d (alpha + n beta)``.
 
 Per algorithm, with m parameters (float32, 4m bytes), matrices ``a_i x b_i`` (tensors of more
 than one dimension, flattened after the first), and ``m_1`` elements in 1-D tensors:
 
 =====================================  ==================================================
-all-reduce presets (DataParallel,      all-reduce of 4m
+all-reduce presets (DataParallel,      engine all-reduce of 4m
 centralized SGD/Adam, clipping,
 DistOpt fused)
 bf16 cast, FP16Optimizer, DistOpt      all-reduce of 2m (bf16 cast on several equal
@@ -79,8 +83,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Link", "Links", "Layout", "ring_allreduce", "halving_allreduce",
-           "library_allreduce", "allgather", "reduce", "bcast",
-           "hierarchical_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
+           "library_allreduce", "allgather", "reduce", "bcast", "hierarchical_allreduce",
+           "engine_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
            "payload_bytes", "predict", "parse_links", "RANKS", "run", "local_step_time"]
 
 #: the predicted world sizes
@@ -203,14 +207,43 @@ def library_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
     return halving_allreduce(nbytes, layout.ranks, layout.flat_link(links))
 
 
-def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
+def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links,
+                           chunk: float | None = None) -> float:
     """heatlike's node-aware sum: node-local reduce-scatter + the shards all-reduced across the
     nodes concurrently (their bytes share the node's link: an all-reduce of n among N ranks)
-    + node-local all-gather."""
+    + node-local all-gather, pipelined in chunks of ``chunk`` bytes (default the engine's,
+    :func:`heatlike.engine.reducers.node_aware_chunk_bytes`): the slowest phase for every chunk
+    but one, plus all three phases of one chunk (filling and draining the pipeline)."""
+    from ..engine.reducers import node_aware_chunk_bytes
+
     local, nodes = layout.local, layout.nodes
-    return (allgather(nbytes / local, local, links.local)  # the reduce-scatter: same terms
-            + halving_allreduce(nbytes, nodes, links.cross)
-            + allgather(nbytes / local, local, links.local))
+    chunk = float(chunk or node_aware_chunk_bytes())
+    chunks = max(1, math.ceil(nbytes / chunk))
+    size = nbytes / chunks
+
+    def phases(n: float) -> tuple[float, float, float]:
+        inside = allgather(n / local, local, links.local)  # the reduce-scatter: same terms
+        return inside, halving_allreduce(n, nodes, links.cross), inside
+
+    return (chunks - 1) * max(phases(size)) + sum(phases(size))
+
+
+def _node_aware(layout: Layout) -> bool:
+    """Whether heatlike's sums run node-aware on this layout: full nodes of more than one rank,
+    several of them."""
+    return layout.nodes > 1 and layout.local > 1 and layout.ranks % layout.ranks_per_node == 0
+
+
+def engine_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
+    """The engine's all-reduce of n bytes (:class:`heatlike.engine.AllReduce`): node-aware
+    (:func:`hierarchical_allreduce`) on several full nodes from
+    :func:`~heatlike.engine.reducers.node_aware_min_bytes` on (unless ``HEATLIKE_NODE_AWARE=0``),
+    the library's otherwise."""
+    from ..engine.reducers import node_aware_enabled, node_aware_min_bytes
+
+    if _node_aware(layout) and node_aware_enabled() and nbytes >= node_aware_min_bytes():
+        return hierarchical_allreduce(nbytes, layout, links)
+    return library_allreduce(nbytes, layout, links)
 
 
 def neighbor_exchange(nbytes: float, degree: int, link: Link) -> float:
@@ -267,7 +300,7 @@ Model = Callable[[Shapes, Layout, Links], tuple[float, float]]
 def _allreduce(factor: float) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = factor * s.total
-        return library_allreduce(n, lay, links), n
+        return engine_allreduce(n, lay, links), n
     return model
 
 
@@ -280,7 +313,7 @@ def _half_cast(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
     """The bf16 cast: node-aware on several full nodes of more than one rank, else the
     library's all-reduce."""
     n = 2.0 * s.total
-    if lay.nodes > 1 and lay.local > 1 and lay.ranks % lay.ranks_per_node == 0:
+    if _node_aware(lay):
         return hierarchical_allreduce(n, lay, links), n
     return library_allreduce(n, lay, links), n
 
@@ -289,8 +322,8 @@ def _powersgd(rank: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         first = 4.0 * (rank * sum(a for a, _ in s.matrices) + s.vector_elements)
         second = 4.0 * rank * sum(b for _, b in s.matrices)
-        return (library_allreduce(first, lay, links)
-                + library_allreduce(second, lay, links)), first + second
+        return (engine_allreduce(first, lay, links)
+                + engine_allreduce(second, lay, links)), first + second
     return model
 
 
@@ -304,7 +337,7 @@ def _gather(kbytes: Callable[[Shapes], float]) -> Model:
 def _allreduce_of(nbytes: Callable[[Shapes], float]) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = nbytes(s)
-        return library_allreduce(n, lay, links), n
+        return engine_allreduce(n, lay, links), n
     return model
 
 
@@ -317,7 +350,7 @@ def _gossip(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
 def _partial(threshold: int) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = 4.0 * s.total / s.partitions(threshold)
-        return library_allreduce(n, lay, links), n
+        return engine_allreduce(n, lay, links), n
     return model
 
 

@@ -1097,16 +1097,20 @@ class MPICommunication:
             if len(obj) not in (2, 3):
                 raise TypeError(f"{name}: {arg} must be an array, (array, counts) or "
                                 "(array, counts, displs)")
-            t, back = _buffer(obj[0], arg, name, 0, write)
+            raw = obj[0]
+        else:
+            raw = obj
+        if not isinstance(raw, torch.Tensor) and _buffers._local_tensor(raw) is None:
+            raise TypeError(f"{name}: {arg} of type {type(raw).__name__} supports axis 0 only; "
+                            "pass a torch tensor or DNDarray to cut or join along another axis")
+        if isinstance(obj, (tuple, list)):
+            t, _ = _buffer(obj[0], arg, name, 0, write)
             counts = _int_list(obj[1], f"{arg} counts", self.size)
             displs = (_int_list(obj[2], f"{arg} displs", self.size) if len(obj) == 3
                       else [0, *itertools.accumulate(counts[:-1])])
         else:
-            t, back = _buffer(obj, arg, name, 0, write)
+            t, _ = _buffer(obj, arg, name, 0, write)
             counts, displs = counts_displs(t.shape[axis], self.size)
-        if back is not None:
-            raise ValueError(f"{name}: {arg} must be a torch tensor or DNDarray when an axis is "
-                             ">= 2")
         for i, (c, d) in enumerate(zip(counts, displs)):
             if c < 0 or d < 0 or d + c > t.shape[axis]:
                 raise ValueError(f"{name}: {arg} block {i} (displacement {d}, count {c}) does "
