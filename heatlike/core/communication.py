@@ -28,6 +28,7 @@ are forwarded to the underlying mpi4py communicator.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import itertools
 import warnings
@@ -299,10 +300,38 @@ def _same_size_send(sendbuf, recv: torch.Tensor, name: str) -> torch.Tensor | No
     return send
 
 
+# Communicators whose wrapper the cyclic garbage collector found. The collector runs at an
+# arbitrary point of a rank's program (an allocation), at different points on different ranks,
+# and MPI_Comm_free may synchronize with the other members (MPICH's does for a communicator that
+# used some of its collectives): a rank freeing there can wait for ranks that are waiting for it
+# in another collective. So these are not freed at all; MPI releases them at MPI_Finalize. A
+# wrapper dropped by reference counting (at the same point of every rank's program) or freed
+# explicitly (Free, ``with``) frees its communicator at once.
+_UNFREED: list[MPI.Comm] = []
+_collecting = [False]
+
+
+def _track_collection(phase: str, info: dict) -> None:
+    _collecting[0] = phase == "start"
+
+
+gc.callbacks.append(_track_collection)
+
+
 def _free_handle(handle: MPI.Comm) -> None:
     if not MPI.Is_finalized() and handle != MPI.COMM_NULL:
         _checks.forget(handle)
-        handle.Free()
+        if _collecting[0]:
+            _UNFREED.append(handle)
+        else:
+            handle.Free()
+
+
+def unfreed_communicators() -> int:
+    """How many communicators heatlike left to MPI_Finalize because the cyclic garbage
+    collector, not the program, dropped their last wrapper (free them with ``Free()`` or a
+    ``with`` block to keep this at 0; MPI allows a couple of thousand at once)."""
+    return len(_UNFREED)
 
 
 # ---------------------------------------------------------------------------- method factories
@@ -444,8 +473,10 @@ class MPICommunication:
     """A heatlike communicator over an mpi4py intracommunicator ``handle``.
 
     Communicators returned by :meth:`Split`, :meth:`Split_type`, :meth:`Create_group` and
-    :meth:`Dup` are owned by their wrapper: :meth:`Free` (or leaving a ``with`` block, or the
-    wrapper being garbage collected) frees the MPI communicator.
+    :meth:`Dup` are owned by their wrapper: :meth:`Free`, leaving a ``with`` block, or the last
+    reference to the wrapper going away frees the MPI communicator. One that only the cyclic
+    garbage collector finds is left to MPI_Finalize (:func:`unfreed_communicators`): freeing it
+    at the arbitrary point where the collector runs could wait for ranks that wait for this one.
     """
 
     def __init__(self, handle: MPI.Intracomm = MPI.COMM_WORLD, *, serial: bool = False,
