@@ -125,10 +125,11 @@ def test_algorithm_models_by_hand():
     hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 4 * m * 1e-9
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
     # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
-    # 2 nodes and a node-local broadcast of 4m
+    # 2 nodes (in 4 shards), a node-local scatter and gather, and a broadcast of 4m
     node = 2 * 2 * 2e-6 + 2 * 3 / 4 * 4 * m * 1e-10
     sync = 2 * 1 * 5e-6 + 2 * 1 / 2 * 2 * m * 1e-9 + 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
-    assert cm.comm_time("daso", shapes, lay, LINKS) == pytest.approx(node + sync / 4)
+    shards = 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)  # the change scattered, the sum gathered
+    assert cm.comm_time("daso", shapes, lay, LINKS) == pytest.approx(node + (sync + shards) / 4)
     # DistOpt partial: the engine plans 4 partitions of this MLP at 4096 elements
     assert shapes.partitions(4096) == 4
     assert cm.payload_bytes("distopt-partial", shapes, lay, LINKS) == pytest.approx(4 * m / 4)

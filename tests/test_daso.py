@@ -207,6 +207,34 @@ def test_stale_merge_formula(comm, nodes):
     assert daso.trace is None and daso.current_batch == 2
 
 
+def test_the_members_parameters_cross_in_shards_carried_by_every_local_rank(comm, nodes):
+    """A global synchronization sends the group member's parameters, even where the ranks of a
+    node differ: the member scatters its change inside the node, each local rank with a partner
+    on every node carries a shard (in sending chunks of 7), the member gathers the sum back.
+    Every rank ends with the node-size-weighted average of the members' values."""
+    net = Net(seed=5, bn=True)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.0), total_epochs=3, comm=comm,
+                warmup_epochs=2, cooldown_epochs=0, downcast_type=torch.float32,
+                sending_chunk_size=7)
+    model = DataParallelMultiGPU(net, daso)
+    topo = daso.topology
+    with torch.no_grad():  # a different value on every rank, inside a node too
+        for t in daso._tensors:
+            t.fill_(10.0 * topo.node + topo.local_rank + 1)
+    daso.last_batch = 3
+    model.eval()  # BatchNorm's statistics keep the values set above
+    x, y = _data(0, B)
+    daso.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    daso.step()  # batch 0: group 0 synchronizes, blocking
+    expected = sum(size / comm.size * (10.0 * node + 1)
+                   for node, size in enumerate(topo.local_sizes))
+    for t in daso._tensors:
+        torch.testing.assert_close(t, torch.full_like(t, expected), rtol=1e-6, atol=1e-5)
+    carries = topo.num_nodes > 1 and topo.local_rank < daso.groups
+    assert (daso.bytes_cross > 0) == carries, (daso.bytes_cross, topo.local_rank)
+
+
 # ------------------------------------------------------------------ Heat's bugs, features
 
 

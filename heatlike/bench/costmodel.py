@@ -62,8 +62,10 @@ decentralized (ring gossip)            neighbor exchange of 4m with 2 neighbors
 DistOpt partial                        all-reduce of one partition, ``4m / partitions``
                                        on average (partitions of the engine's bucket plan)
 DASO (cycling phase: global sync      node-local all-reduce of 4m every step, and
-every k = 4 steps)                     every k steps an all-reduce of 2m (bfloat16)
-                                       among the N nodes plus a node-local broadcast of 4m
+every k = 4 steps)                     every k steps a node-local scatter of 4m, an
+                                       all-reduce of 2m (bfloat16) among the N nodes
+                                       carried in L shards at once, a node-local gather
+                                       of 4m and broadcast of 4m
 =====================================  ==================================================
 
 Predicted step time = measured compute time of one step (forward, backward and local optimizer
@@ -359,9 +361,13 @@ def _daso(every: int) -> Model:
         n = 4.0 * s.total
         local, nodes = lay.local, lay.nodes
         node_grads = halving_allreduce(n, local, links.local)
-        sync = halving_allreduce(n / 2, nodes, links.cross) + bcast(n, local, links.local)
-        # per rank: every step its node's gradient all-reduce; per global sync one group of
-        # ranks (taking turns, so 1/L of them) sends, and every rank takes part in the broadcast
+        # the member's change scattered in the node, its shards carried across by every local
+        # rank at once (sharing the node's link), gathered back, the merge broadcast
+        shards = 2 * allgather(n / local, local, links.local) if local > 1 else 0.0
+        sync = halving_allreduce(n / 2, nodes, links.cross) + shards + \
+            bcast(n, local, links.local)
+        # per rank: every step its node's gradient all-reduce; per global sync a shard of the
+        # bfloat16 change across the nodes, and every rank takes part in the broadcast
         per_sync = (n / 2 / local if nodes > 1 else 0.0) + (n if local > 1 else 0.0)
         return node_grads + sync / every, (n if local > 1 else 0.0) + per_sync / every
     return model

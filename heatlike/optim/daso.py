@@ -323,34 +323,59 @@ class DASO(WrappedOptimizer):
 
     # -- global synchronization ----------------------------------------------------------------
 
+    def _carried(self) -> list[int]:
+        """Elements of the parameter vector each local rank carries across the nodes: the
+        vector cut into near-equal shards among the local ranks < ``groups`` (each has a
+        partner with its local rank on every node), nothing for the others."""
+        n, carriers = self._ref.numel(), self.groups
+        return [n // carriers + (1 if i < n % carriers else 0) if i < carriers else 0
+                for i in range(self.topology.local_size)]
+
     @torch.no_grad()
     def _send(self, group: int, batch: int, btw: int) -> _Sync:
+        """Start a global synchronization of group ``group``'s parameters: the member computes
+        the weighted change ``w * (p - ref)``, scatters it inside its node, and every local rank
+        that has a partner on every node carries its shard across the nodes (the node's link
+        carries the member's bytes once, in several flows at once)."""
         sync = _Sync(group, batch, batch + btw, btw)
         if self.trace is not None:
             self.trace.append((self.epoch, batch, "send", group, btw))
         topo = self.topology
-        if topo.local_rank != group or not self._tensors:
+        if not self._tensors:
             return sync
-        delta = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
-                                                self._ref.device))
-        delta.sub_(self._ref).mul_(topo.local_size / self.comm.size)
+        delta = None
+        if topo.local_rank == group:
+            delta = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
+                                                    self._ref.device))
+            delta.sub_(self._ref).mul_(topo.local_size / self.comm.size)
+        counts = self._carried()
+        if topo.local_size > 1:
+            shard = torch.empty(counts[topo.local_rank], dtype=torch.float32,
+                                device=self._ref.device)
+            topo.node_comm.Scatterv((delta, counts) if delta is not None else None, shard,
+                                    root=group)
+        else:
+            shard = delta
         lane = self._cross_lane
         before = lane.reducer.bytes_sent
         # one node: the sum over nodes is this change itself, exact (nothing to send or round)
-        chunks = range(0, delta.numel(), self.split_val) if topo.cross_comm.size > 1 else ()
+        chunks = range(0, shard.numel(), self.split_val) if topo.cross_comm.size > 1 else ()
         for start in chunks:
             ctx = Context(key=start, shapes=[], size=topo.cross_comm.size,
                           rank=topo.cross_comm.rank)
-            sync.requests.append(lane.start(delta[start:start + self.split_val], ctx))
+            sync.requests.append(lane.start(shard[start:start + self.split_val], ctx))
         nbytes = lane.reducer.bytes_sent - before
         self.bytes_cross += nbytes
         if self.link is not None:
             sync.ready_at = self.link.ready_at(nbytes)
-        sync.payload = delta
+        sync.payload = shard
         return sync
 
     @torch.no_grad()
     def _receive(self, sync: _Sync, blocking: bool) -> None:
+        """Merge a global synchronization: every carrier waits for its shard of the sum, the
+        group's member gathers them and merges (blocking: ``ref + sum``; else the stale-merge
+        formula of the module docstring), then broadcasts the result inside its node."""
         topo = self.topology
         if self.trace is not None:
             self.trace.append((self.epoch, self.current_batch,
@@ -362,18 +387,23 @@ class DASO(WrappedOptimizer):
                 merged.device != self._ref.device:
             merged = self._merged = comm_buffer(self._ref.numel(), torch.float32,
                                                 self._ref.device)
-        if topo.local_rank == sync.group:
-            for request in sync.requests:
-                request.Wait()
-            if self.link is not None:
-                self.link.wait_until(sync.ready_at)
-            if blocking:
-                torch.add(self._ref, sync.payload, out=merged)
-            else:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
+        for request in sync.requests:
+            request.Wait()
+        if self.link is not None:
+            self.link.wait_until(sync.ready_at)
+        member = topo.local_rank == sync.group
+        if topo.local_size > 1:  # the sum's shards, into the member's merge buffer
+            topo.node_comm.Gatherv(sync.payload, (merged, self._carried()) if member else None,
+                                   root=sync.group)
+        else:
+            merged.copy_(sync.payload)
+        if member:
+            merged.add_(self._ref)  # the average
+            if not blocking:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
                 n, weight = topo.num_nodes, 2.0 * sync.btw
-                avg = sync.payload.add_(self._ref)  # the payload is not needed any more
-                pack(self._tensors, merged)
-                merged.lerp_(avg, n / (n + weight))
+                current = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
+                                                          self._ref.device))
+                merged.copy_(current.lerp_(merged, n / (n + weight)))
         topo.node_comm.Bcast(merged, root=sync.group)
         if topo.local_size > 1:
             self.bytes_node += merged.numel() * merged.element_size()
