@@ -165,6 +165,7 @@ class DASO(WrappedOptimizer):
         self.trace: list[tuple] | None = None  # set to [] to record (epoch, batch, event, ...)
         self._pending: list[_Sync] = []
         self._merged: torch.Tensor | None = None  # the merge buffer, reused by every merge
+        self._total: torch.Tensor | None = None   # the member's gathered sum, likewise
         weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
@@ -382,34 +383,39 @@ class DASO(WrappedOptimizer):
                                "blocking" if blocking else "merge", sync.group))
         if not self._tensors:
             return
-        merged = self._merged
-        if merged is None or merged.numel() != self._ref.numel() or \
-                merged.device != self._ref.device:
-            merged = self._merged = comm_buffer(self._ref.numel(), torch.float32,
-                                                self._ref.device)
+        merged, total = self._buffer("_merged"), sync.payload
         for request in sync.requests:
             request.Wait()
         if self.link is not None:
             self.link.wait_until(sync.ready_at)
         member = topo.local_rank == sync.group
-        if topo.local_size > 1:  # the sum's shards, into the member's merge buffer
-            topo.node_comm.Gatherv(sync.payload, (merged, self._carried()) if member else None,
+        if topo.local_size > 1:  # the sum's shards, gathered by the member
+            total = self._buffer("_total") if member else None
+            topo.node_comm.Gatherv(sync.payload, (total, self._carried()) if member else None,
                                    root=sync.group)
-        else:
-            merged.copy_(sync.payload)
         if member:
-            merged.add_(self._ref)  # the average
-            if not blocking:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
+            if blocking:
+                torch.add(self._ref, total, out=merged)
+            else:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
                 n, weight = topo.num_nodes, 2.0 * sync.btw
-                current = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
-                                                          self._ref.device))
-                merged.copy_(current.lerp_(merged, n / (n + weight)))
+                avg = total.add_(self._ref)  # the sum is not needed any more
+                pack(self._tensors, merged)
+                merged.lerp_(avg, n / (n + weight))
         topo.node_comm.Bcast(merged, root=sync.group)
         if topo.local_size > 1:
             self.bytes_node += merged.numel() * merged.element_size()
         unpack(merged, self._tensors)
         if blocking:
             self._ref.copy_(merged)
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """A float32 buffer of the parameter vector's size, kept as attribute ``name`` and
+        reused by every merge."""
+        buf = getattr(self, name)
+        if buf is None or buf.numel() != self._ref.numel() or buf.device != self._ref.device:
+            buf = comm_buffer(self._ref.numel(), torch.float32, self._ref.device)
+            setattr(self, name, buf)
+        return buf
 
     # -- state ---------------------------------------------------------------------------------
 
