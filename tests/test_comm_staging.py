@@ -191,7 +191,9 @@ def test_chunk_size_setting(monkeypatch):
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 def test_data_parallel_runs_staged_buckets_through_the_pipeline(comm, pipelines, blocking):
     """Gradient buckets staged through host memory: the engine runs them on its private channel,
-    pipelined, and trains bitwise the same model as with host buffers."""
+    pipelined, one after the other (in non-blocking mode, waiting for one bucket advances the
+    exchanges of those launched before it, which is not taken for a change of their gradients by
+    the user), and trains bitwise the same model as with host buffers."""
 
     def train(staging):
         torch.manual_seed(0)
@@ -201,7 +203,9 @@ def test_data_parallel_runs_staged_buckets_through_the_pipeline(comm, pipelines,
         with scope:
             opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                                  blocking=blocking)
-            model = hl.nn.DataParallel(net, comm, opt)
+            model = hl.nn.DataParallel(net, comm, opt, bucket_cap_mb=600 / 2 ** 20,
+                                       first_bucket_mb=600 / 2 ** 20)  # 3 buckets
+            assert len(model.grad_sync.buckets) == 3
             g = torch.Generator().manual_seed(comm.rank)
             for _ in range(4):
                 x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -216,7 +220,7 @@ def test_data_parallel_runs_staged_buckets_through_the_pipeline(comm, pipelines,
     staged = train(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, staged))
     if comm.size > 1:
-        assert len(pipelines) >= before + 4
+        assert len(pipelines) == before + 4 * 3
 
 
 def test_layouts_that_differ_between_ranks_and_arrays_written_back(comm, pipelines):
@@ -239,3 +243,58 @@ def test_layouts_that_differ_between_ranks_and_arrays_written_back(comm, pipelin
     np.testing.assert_array_equal(reversed_out, expected.numpy())
     if comm.size > 1:
         assert len(pipelines) == before + 2
+
+
+class _OutOfOrder(torch.nn.Module):
+    """Four parameters of 150, 150, 100 and 100 floats used in the order 2, 3, 1, 4: backward
+    delivers their gradients as 4, 1, 3, 2, not in the reverse registration order the first
+    bucket plan assumes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.p = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (150, 150, 100, 100)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(())
+        for i in (1, 2, 0, 3):
+            out = out + (x[:, :self.p[i].numel()] * self.p[i]).square().sum()
+        return out
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_a_bucket_plan_rebuilt_in_gradient_order_is_pipelined_when_it_needs_to_be(
+        comm, pipelines, blocking):
+    """The first plan (reverse registration order, 1000-byte buckets) holds buckets of 800, 600
+    and 600 bytes; the plan rebuilt at the second step in the observed order 4, 1, 3, 2 holds two
+    of 1000 bytes, more than a 900-byte staging chunk: from then on both go through the pipeline,
+    one after the other on the engine's private channel (whose exchanges are not taken for a
+    user's changes to the gradients in non-blocking mode), and the model is bitwise the one
+    trained with host buffers."""
+
+    def train(staging):
+        net = _OutOfOrder()
+        scope = force_staging() if staging else contextlib.nullcontext()
+        with scope, _staging.staging_chunk(900):
+            opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.01),
+                                                 blocking=blocking)
+            model = hl.nn.DataParallel(net, comm, opt, bucket_cap_mb=1000 / 2 ** 20,
+                                       first_bucket_mb=1000 / 2 ** 20)
+            g = torch.Generator().manual_seed(comm.rank)
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.randn(3, 150, generator=g)).backward()
+                opt.step()
+            model(torch.randn(3, 150, generator=g))  # applies the last deferred update
+            buckets = sorted(b.values.numel() * 4 for b in model.grad_sync.buckets)
+        return [p.detach().clone() for p in net.parameters()], buckets
+
+    plain, _ = train(False)
+    before = len(pipelines)
+    staged, buckets = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, staged))
+    if comm.size > 1:  # (one rank exchanges nothing)
+        assert buckets == [1000, 1000]
+        # steps 2 to 4, two buckets each: 250 values and the use flags of their 2 parameters
+        assert pipelines[before:] == [252] * 6

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import heatlike as hl
-from heatlike.core._requests import Request
+from heatlike.core._requests import Request, wait_all
 from heatlike.core.topology import NeighborGraph, Topology
 from heatlike.engine import (
     AllReduce,
@@ -384,6 +384,38 @@ def test_gossip_preserves_average_and_contracts(comm, kind, weights):
             assert torch.allclose(mean5, mean0, atol=1e-5)
         if comm.size > 1:
             assert dist5 < dist0 * 0.9
+    finally:
+        graph.free()
+
+
+def test_gossip_mixes_exchanges_in_flight_together_with_reused_buffers(comm):
+    """Two tensors of one size mixed at once (each exchange in flight holds its own receive
+    buffer), three times over (the buffers of finished mixes are reused): every result is
+    ``W_ii x_i + sum_j W_ij x_j`` of the values every rank held before."""
+    graph = NeighborGraph.ring(comm)
+    try:
+        reducer = Gossip(graph)
+        xs = [_x(comm.rank, 30, seed=s) for s in (3, 4)]
+        for step in range(3):
+            everyone = [torch.empty(comm.size * 30) for _ in xs]
+            for x, all_x in zip(xs, everyone):
+                comm.Allgather(x, all_x)
+            expected = []
+            for all_x in everyone:
+                rows = all_x.view(comm.size, 30)
+                mix = graph.self_weight * rows[comm.rank]
+                for w, j in zip(graph.weights, graph.neighbors):
+                    mix = mix + w * rows[j]
+                expected.append(mix)
+            requests = [Request(exchange(x, Identity(), reducer,
+                                         Context(key=k, shapes=[x.shape], size=comm.size,
+                                                 rank=comm.rank, step=step)))
+                        for k, x in enumerate(xs)]
+            wait_all(requests)
+            for x, want in zip(xs, expected):
+                torch.testing.assert_close(x, want, rtol=1e-6, atol=1e-6)
+        if comm.size > 1:
+            assert [len(v) for v in reducer._spare.values()] == [2]
     finally:
         graph.free()
 

@@ -161,6 +161,14 @@ class GradientSync:
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         order = self.comm.handle.bcast(order, root=0)
         self._plan([self.params[i] for i in order])
+        self._restage()
+
+    def _restage(self) -> None:
+        """Collective (the same on every rank), after a re-plan: a new bucket that is staged
+        through host memory in several chunks needs the lane that pipelines them (a private
+        channel); an unneeded one costs nothing and stays."""
+        if not self.lane.private and self._pipelined():
+            self.lane = Lane(self.codec, self.reducer, pipelined=True)
 
     # -- the cycle: begin, mark, launch, wait, unpack, end --------------------------------------
 
@@ -261,18 +269,24 @@ class GradientSync:
         return self.reducer.bytes_sent
 
     def _progress(self) -> None:
-        for b, request in self._requests.items():
-            if not request.done:
-                self._engine_touches(b, request.Test)
+        pending = [request for request in self._requests.values() if not request.done]
+        if pending:
+            self._engine_touches(lambda: [request.Test() for request in pending])
 
-    def _engine_touches(self, b: int, operation: Callable[[], object]) -> None:
-        """Run ``operation`` (a step of bucket ``b``'s exchange, which may write its buffer),
-        noting first whether anything else wrote the buffer since the engine last did."""
-        buffer = self.buckets[b].buffer
-        if buffer._version != self._versions.get(b, buffer._version):
-            self._tampered.add(b)
+    def _engine_touches(self, operation: Callable[[], object]) -> None:
+        """Run ``operation`` (steps of exchanges, which write their buckets' buffers), noting
+        first whether anything else wrote the buffer of a bucket in flight since the engine last
+        did. Every bucket in flight is checked, not only the one waited for: on a private lane an
+        exchange starts once the one before it completes, so waiting for one bucket advances the
+        exchanges of the buckets launched before it too."""
+        flying = [b for b in self._requests if b not in self._reduced]
+        for b in flying:
+            buffer = self.buckets[b].buffer
+            if buffer._version != self._versions.get(b, buffer._version):
+                self._tampered.add(b)
         operation()
-        self._versions[b] = buffer._version
+        for b in flying:
+            self._versions[b] = self.buckets[b].buffer._version
 
     def changed_in_flight(self) -> list[str]:
         """Names of the parameters whose gradient was changed in place or replaced after it was
@@ -356,7 +370,7 @@ class GradientSync:
             waiting = self.tracker.span(f"bucket {b}", "comm wait") \
                 if self.tracker is not None else contextlib.nullcontext()
             with waiting:
-                self._engine_touches(b, lambda: _checks.wait(
+                self._engine_touches(lambda: _checks.wait(
                     request, lambda: f"the exchange of gradient bucket {b}", request._board,
                     request._seq, watch=self._board.check))
         self._reduced.add(b)
@@ -440,7 +454,8 @@ class GradientSync:
                 "exchanges": list(self._exchanges), "codec": self.codec.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (the same parameters, in the same order)."""
+        """Restore :meth:`state_dict` (the same parameters, in the same order). Collective when
+        the saved bucket plan differs from the current one (every rank loads the same state)."""
         if self.active:
             raise RuntimeError("load the gradient synchronizer's state between steps, not "
                                "during a backward pass")
@@ -453,6 +468,7 @@ class GradientSync:
         if [len(b.params) for b in self.buckets] != sizes or \
                 [id(p) for b in self.buckets for p in b.params] != [id(p) for p in params]:
             self._plan(params, sizes)
+            self._restage()
         self._cycles = int(state["cycles"])
         self._arrival = list(state["arrival"])
         self._exchanges = [int(n) for n in state["exchanges"]]

@@ -389,6 +389,10 @@ class Gossip(Reducer):
     def __init__(self, graph: NeighborGraph) -> None:
         super().__init__(graph.comm)
         self.graph = graph
+        # receive buffers of finished mixes, by (numel, dtype, device): a fresh allocation of
+        # degree x the model each step costs its page faults again (and an exchange in flight
+        # holds its own, so concurrent buckets never share one)
+        self._spare: dict[tuple, list[torch.Tensor]] = {}
 
     def open_channel(self):
         return self.graph.graph_comm.Dup(serial=True)
@@ -399,11 +403,14 @@ class Gossip(Reducer):
         if not neighbors:  # a single rank: nothing to mix
             return
         self.bytes_sent += _nbytes(t) * len(neighbors)
-        received = torch.empty(len(neighbors) * t.numel(), dtype=t.dtype, device=t.device)
+        key = (len(neighbors) * t.numel(), t.dtype, t.device)
+        spare = self._spare.setdefault(key, [])
+        received = spare.pop() if spare else torch.empty(key[0], dtype=t.dtype, device=t.device)
         yield (channel or graph.graph_comm).Ineighbor_allgather(t, received)
         t.mul_(graph.self_weight)
         for w, x in zip(graph.weights, received.view(len(neighbors), -1)):
             t.add_(x, alpha=w)
+        spare.append(received)
 
     def gather(self, tensors, variable=False, channel=None):
         raise ValueError("gossip averages values: use a codec that sends them (identity or cast)")
