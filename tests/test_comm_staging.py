@@ -15,6 +15,7 @@ from mpi4py import MPI
 import heatlike as hl
 from heatlike.core import _staging
 from heatlike.core._buffers import force_staging
+from heatlike.core.buffer_pool import pool as buffer_pool
 
 pytestmark = pytest.mark.mpi
 
@@ -161,15 +162,15 @@ def test_where_the_pipeline_is_not_used(comm, pipelines):
 def test_host_buffers_are_reused(comm):
     if comm.size == 1:
         pytest.skip("one rank exchanges nothing")
-    _staging.pool.clear()
+    buffer_pool.clear()
     x = _values(comm, 20 * CHUNK, torch.int64)
     with _staged(torch.int64):
         comm.Allreduce(MPI.IN_PLACE, x.clone(), MPI.SUM)
-        kept = {id(b) for b in _staging.pool._free[(CHUNK * 8, False)]}
+        kept = {id(b) for b in buffer_pool._free[(CHUNK * 8, torch.device("cpu"), False)]}
         assert 0 < len(kept) <= _staging.DEPTH
         for _ in range(3):
             comm.Allreduce(MPI.IN_PLACE, x.clone(), MPI.SUM)
-        assert {id(b) for b in _staging.pool._free[(CHUNK * 8, False)]} == kept
+        assert {id(b) for b in buffer_pool._free[(CHUNK * 8, torch.device("cpu"), False)]} == kept
 
 
 def test_chunk_size_setting(monkeypatch):

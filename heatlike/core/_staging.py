@@ -42,6 +42,7 @@ from collections.abc import Iterator
 import torch
 from mpi4py import MPI
 
+from .buffer_pool import pool
 from .env import env_float
 
 __all__ = ["DEPTH", "chunk_bytes", "staging_chunk", "Pipeline"]
@@ -76,33 +77,9 @@ def staging_chunk(nbytes: int) -> Iterator[None]:
         _chunk_override = old
 
 
-# ---------------------------------------------------------------------------- host buffers
+# ---------------------------------------------------------------------------- copy streams
 
 
-class _HostPool:
-    """Reused host buffers, pinned for device data: at most ``keep`` free buffers of each size
-    are kept (a pipeline needs ``DEPTH`` of its chunk size)."""
-
-    def __init__(self, keep: int = 2 * DEPTH) -> None:
-        self.keep = keep
-        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
-
-    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        free = self._free.get((nbytes, pinned))
-        if free:
-            return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-
-    def give(self, buf: torch.Tensor, pinned: bool) -> None:
-        free = self._free.setdefault((buf.numel(), pinned), [])
-        if len(free) < self.keep:
-            free.append(buf)
-
-    def clear(self) -> None:
-        self._free.clear()
-
-
-pool = _HostPool()
 _streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -156,7 +133,7 @@ class Pipeline:
         while len(self.flight) < DEPTH and self.next_in < self.n:
             start = self.next_in
             count = min(self.chunk, self.n - start)
-            c = _Chunk(start, count, pool.take(self.chunk * self.itemsize, self.cuda),
+            c = _Chunk(start, count, pool.take(self.chunk * self.itemsize, pinned=self.cuda),
                        self.dst.dtype)
             c.event = self._copy(c.host, self.src[start:start + count])
             self.flight.append(c)
@@ -204,7 +181,7 @@ class Pipeline:
 
     def _retire(self, c: _Chunk) -> None:
         self.flight.remove(c)
-        pool.give(c.raw, self.cuda)
+        pool.give(c.raw, pinned=self.cuda)
 
     # -- the request interface ------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from ..core.buffer_pool import pool as buffer_pool
 from ..core.communication import IN_PLACE, MPICommunication, Request, sanitize_comm
 from ..core.env import env_flag, env_int
 from ..core.topology import NeighborGraph, Topology
@@ -389,10 +390,6 @@ class Gossip(Reducer):
     def __init__(self, graph: NeighborGraph) -> None:
         super().__init__(graph.comm)
         self.graph = graph
-        # receive buffers of finished mixes, by (numel, dtype, device): a fresh allocation of
-        # degree x the model each step costs its page faults again (and an exchange in flight
-        # holds its own, so concurrent buckets never share one)
-        self._spare: dict[tuple, list[torch.Tensor]] = {}
 
     def open_channel(self):
         return self.graph.graph_comm.Dup(serial=True)
@@ -403,14 +400,14 @@ class Gossip(Reducer):
         if not neighbors:  # a single rank: nothing to mix
             return
         self.bytes_sent += _nbytes(t) * len(neighbors)
-        key = (len(neighbors) * t.numel(), t.dtype, t.device)
-        spare = self._spare.setdefault(key, [])
-        received = spare.pop() if spare else torch.empty(key[0], dtype=t.dtype, device=t.device)
+        # degree x the model, kept for the next mix (heatlike.core.buffer_pool)
+        raw = buffer_pool.take(len(neighbors) * _nbytes(t), t.device)
+        received = raw.view(t.dtype)
         yield (channel or graph.graph_comm).Ineighbor_allgather(t, received)
         t.mul_(graph.self_weight)
         for w, x in zip(graph.weights, received.view(len(neighbors), -1)):
             t.add_(x, alpha=w)
-        spare.append(received)
+        buffer_pool.give(raw)
 
     def gather(self, tensors, variable=False, channel=None):
         raise ValueError("gossip averages values: use a codec that sends them (identity or cast)")
