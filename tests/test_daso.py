@@ -235,6 +235,39 @@ def test_the_members_parameters_cross_in_shards_carried_by_every_local_rank(comm
     assert (daso.bytes_cross > 0) == carries, (daso.bytes_cross, topo.local_rank)
 
 
+def test_a_synchronization_in_flight_is_advanced_layer_by_layer(comm, nodes):
+    """Between a non-blocking send and its merge, the exchange in flight is tested before every
+    leaf module's forward and after every gradient (MPI moves its bytes, and the half-precision
+    sum starts its second phase, only inside such calls); with nothing in flight, never."""
+    net = Net(seed=6)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.01), total_epochs=3, comm=comm,
+                warmup_epochs=0, cooldown_epochs=1)
+    model = DataParallelMultiGPU(net, daso)
+    daso.last_batch = 6
+    polls, progress = [], daso._progress
+    daso._progress = lambda: (polls.append(len(daso._pending)), progress())[1]
+
+    def batch(step):
+        x, y = _data(step, B, seed=comm.rank + 1)
+        daso.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    batch(0)  # nothing in flight: the top-level pre-forward poll (and the node's) only
+    assert set(polls) == {0} and len(polls) <= 2, polls
+    daso.step()  # batch 0 sends (global_skip 4, batches_to_wait 1): merged at batch 1
+    assert len(daso._pending) == 1
+    polls.clear()
+    batch(1)
+    leaves = [m for m in net.modules() if not any(m.children())]
+    trained = [p for p in net.parameters() if p.requires_grad]
+    assert polls.count(1) >= 1 + len(leaves) + len(trained), (polls, len(leaves), len(trained))
+    daso.step()  # the merge
+    assert not daso._pending
+    polls.clear()
+    batch(2)
+    assert set(polls) == {0} and len(polls) <= 2, polls
+
+
 # ------------------------------------------------------------------ Heat's bugs, features
 
 

@@ -309,11 +309,23 @@ class DataParallelMultiGPU(torch.nn.Module):
                                           on_backward_end=self._backward_end)
         optimizer.set_model(module)
         self._handle = module.register_forward_pre_hook(self._before_forward)
+        # The global synchronizations in flight move on only inside MPI calls, and a phase of a
+        # multi-phase exchange (the half-precision sum) starts only when its request is tested:
+        # poll them before every leaf module's forward and after every gradient, so their bytes
+        # cross the link during the batches between send and merge instead of in the merge's wait.
+        leaves = [m for m in module.modules() if m is not module and not any(m.children())]
+        self._poll_handles = [m.register_forward_pre_hook(self._poll) for m in leaves] + \
+            [p.register_post_accumulate_grad_hook(self._poll) for p in module.parameters()
+             if p.requires_grad]
 
     def _before_forward(self, _module, _args) -> None:
-        self.optimizer._progress()  # the global synchronizations in flight move on
+        self.optimizer._progress()
         if self.grad_sync is not None:
             self.grad_sync.enabled = not self.training or self.optimizer.local_sync_now()
+
+    def _poll(self, *_args) -> None:
+        if self.optimizer._pending:
+            self.optimizer._progress()
 
     def _backward_end(self) -> None:
         self.optimizer._progress()
