@@ -24,6 +24,7 @@ from heatlike.engine import (
     Sign,
     Threshold,
     TopK,
+    Warmup,
     exchange,
 )
 from heatlike.engine.codecs import pack_bits, unpack_bits
@@ -205,6 +206,29 @@ def test_error_feedback_tracks_the_true_sum(comm, make):
     mean_residual = everyone.view(comm.size, n).mean(0)
     assert torch.allclose(applied, T * mean - mean_residual, atol=1e-3)
     assert (applied / T - mean).norm() < 0.25 * mean.norm()
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(k=3), lambda: PowerSGD(rank=1, reuse_query=True),
+                                  lambda: Cast(torch.bfloat16)], ids=["topk", "powersgd", "bf16"])
+def test_warmup_sums_exactly_then_is_the_inner_codec_from_a_fresh_state(comm, make):
+    """Warmup(c, 2): exchanges 0 and 1 give the exact sum and leave no state; from exchange 2 on
+    the result equals c's, started fresh at step 2, bitwise."""
+    shapes = [torch.Size([8, 5]), torch.Size([4])]
+    warm, plain = Warmup(make(), 2), make()
+    assert (warm.linear, warm.single_round) == (plain.linear, plain.single_round)
+    for step in range(5):
+        x = _x(comm.rank, 44, step=step, seed=3)
+        got = _run(warm, x.clone(), comm, step=step, shapes=shapes)
+        if step < 2:
+            xs = [_x(r, 44, step=step, seed=3) for r in range(comm.size)]
+            torch.testing.assert_close(got, _sum_of(xs), rtol=1e-6, atol=1e-5)
+            assert not warm.state_for(0), warm.states
+        else:
+            assert torch.equal(got, _run(plain, x.clone(), comm, step=step, shapes=shapes)), step
+    with pytest.raises(ValueError, match="steps"):
+        Warmup(TopK(k=3), -1)
+    with pytest.raises(TypeError, match="codec instance"):
+        Warmup(TopK, 2)
 
 
 def test_hierarchical_equals_flat(comm, monkeypatch):
@@ -613,6 +637,7 @@ NONFINITE_CODECS = {
     "randomblock-own": lambda: RandomBlock(k=2, shared=False),
     "sign": Sign, "sign-noef": lambda: Sign(error_feedback=False), "scaled-sign": ScaledSign,
     "powersgd": lambda: PowerSGD(rank=1),
+    "warmup-topk": lambda: Warmup(TopK(k=2), 1),
 }
 
 
@@ -738,7 +763,8 @@ def test_one_rank_exchanges_call_no_collective(name, monkeypatch):
     got = _run(NONFINITE_CODECS[name](), x.clone(), self_comm,
                reducer=AllReduce(self_comm, op="avg"))
     assert not calls
-    if name in ("identity", "powersgd"):  # 1-D tensors travel exactly through PowerSGD
+    if name in ("identity", "powersgd", "warmup-topk"):  # 1-D: exact through PowerSGD; the
+        # warm-up's first exchange is exact
         assert torch.equal(got, x)
     elif name in ("bf16", "fp16"):
         assert torch.equal(got, x.to(torch.bfloat16 if name == "bf16" else torch.float16).float())

@@ -121,6 +121,30 @@ def test_powersgd_full_rank_equals_exact_averaging(comm):
              tol=dict(rtol=1e-4, atol=1e-5))
 
 
+def test_powersgd_warmup_steps_average_exactly_then_compress(comm):
+    """warmup_steps=2: the first two steps are the single-process step on the combined batch
+    (an exact average, no residual), the third is compressed (rank 1 of 12 x 6 and 3 x 12
+    matrices: no longer that step, and a residual is kept)."""
+    dist = _compare(comm, lambda m: optim.PowerSGD(model=m, lr=0.1, momentum=0.9, rank=1,
+                                                   comm=comm, warmup_steps=2),
+                    lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), steps=2)
+    assert repr(dist.sync.codec) == "warmup-2-powersgd-1"
+    assert not any(dist.sync.codec.states.values()), "state kept before compressing"
+    net = dist.model
+    x, y = _data(2, comm.size * B)
+    mine = slice(comm.rank * B, (comm.rank + 1) * B)
+    dist.zero_grad()
+    nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+    dist.step()
+    assert dist.sync.codec.state_for(0)["residual"].abs().sum() > 0
+    _same_everywhere(comm, net)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        optim.PowerSGD(model=_net(), lr=0.1, comm=comm, warmup_steps=-1)
+    with pytest.raises(ValueError, match="not both"):
+        optim.PowerSGD(model=_net(), lr=0.1, comm=comm, warmup_steps=2,
+                       codec=hl.engine.TopK(k=2))
+
+
 def test_powersgd_low_rank_error_feedback(comm):
     """Rank 1: applied gradients differ from the true ones, but the residual keeps the
     difference; no global RNG reseeding; compression happens at world size 1 too."""

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import heatlike as hl
+from heatlike import recipes
 from heatlike.recipes import make_runner
 from heatlike.utils import checkpoint
 
@@ -85,6 +86,13 @@ MODELS = {
 }
 
 STEPS, SAVE_AT, PER_EPOCH, BATCH = 8, 5, 4, 4
+
+
+@pytest.fixture(autouse=True)
+def _short_compression_warmup(monkeypatch):
+    """"topk-1%" and "powersgd-2" average exactly in their first recipes.COMPRESSION_WARMUP
+    steps; 2 here, so that the save at SAVE_AT falls in the compressed phase."""
+    monkeypatch.setattr(recipes, "COMPRESSION_WARMUP", 2)
 
 
 def _batch(model: str, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

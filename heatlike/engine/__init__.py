@@ -15,6 +15,7 @@ from .codecs import (  # noqa: F401
     Sign,
     Threshold,
     TopK,
+    Warmup,
 )
 from .exchange import Context, Gather, Sum, exchange  # noqa: F401
 from .gradsync import GradientSync  # noqa: F401

@@ -20,6 +20,7 @@ Sign               1 bit per value (2 when some rank has zeros)     no         s
 Sign(scaled=True)  as Sign, + mean |x + e|                          no         sum of scaled signs
 PowerSGD(r)        r (n_i + m_i) per matrix, 1-D tensors as is       two rounds P Q^T
 Clipped(c, v)      clamp to [-v, v], then codec c                   as c       as c
+Warmup(c, s)       n floats in the first s exchanges, then as c    as c       sum, then as c
 =================  ==============================================  =========  ===================
 
 "Linear": every round is a ``Sum``, so the codec works with any reducer, gossip included; the
@@ -43,8 +44,8 @@ import torch
 from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["all_finite", "Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock",
-           "Threshold", "Sign", "ScaledSign", "PowerSGD", "Clipped", "CODEC_NAMES", "codec_from",
-           "codec_error"]
+           "Threshold", "Sign", "ScaledSign", "PowerSGD", "Clipped", "Warmup", "CODEC_NAMES",
+           "codec_from", "codec_error"]
 
 
 class Codec:
@@ -548,6 +549,38 @@ class Clipped(Codec):
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         yield from self.inner.rounds(x, ctx)
+
+
+class Warmup(Codec):
+    """Send the values as they are (an exact sum) in each tensor's first ``steps`` exchanges,
+    then with ``inner``: the warm-up of compressed training (PyTorch's PowerSGD hook,
+    ``start_powerSGD_iter``; deep gradient compression's warm-up epochs). Compressing from the
+    first step, when gradients are large and change fast, costs accuracy that error feedback
+    only slowly recovers; ``inner``'s state (residuals, warm-start factors) starts at the first
+    compressed exchange. The count is the engine's per-tensor exchange counter, which a
+    checkpoint keeps, so a resumed run continues the warm-up where it stopped."""
+
+    def __init__(self, inner: Codec, steps: int) -> None:
+        if not isinstance(inner, Codec):
+            raise TypeError(f"Warmup wraps a codec instance, got {type(inner).__name__}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"warm-up steps must be an int >= 0, got {steps!r}")
+        super().__init__()
+        self.inner, self.steps = inner, steps
+        # every property holds for both phases: the warm-up is Identity's single exact Sum
+        self.linear, self.stateful = inner.linear, inner.stateful
+        self.single_round, self.carries_flags = inner.single_round, inner.carries_flags
+        self.states = inner.states
+        self.name = f"warmup-{steps}-{inner.name}"
+
+    def pre(self, x: torch.Tensor) -> None:
+        self.inner.pre(x)
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        if ctx.step < self.steps:
+            yield Sum(x)
+        else:
+            yield from self.inner.rounds(x, ctx)
 
 
 # names accepted wherever heatlike takes ``codec=``: lower-case, one codec each

@@ -48,20 +48,29 @@ class PowerSGD(GenericCentralizedOptimizer):
 
     ``rank`` is the rank of the approximation (mlbench's name; not an MPI rank), ``reuse_query``
     warm-starts the power iteration from the last averaged Q. See
-    :class:`heatlike.engine.PowerSGD` for the math.
+    :class:`heatlike.engine.PowerSGD` for the math. ``warmup_steps`` (keyword only, not in
+    mlbench; default 0): the first steps average the gradients exactly, uncompressed, as PyTorch's
+    PowerSGD hook does before ``start_powerSGD_iter`` (:class:`heatlike.engine.Warmup`).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, lr=required, momentum: float = 0,
                  weight_decay: float = 0, dampening: float = 0, nesterov: bool = False,
                  average_world: bool = True, use_cuda: bool = False, by_layer: bool = False,
                  reuse_query: bool = False, world_size: int | None = None, rank: int = 1,
-                 **engine) -> None:
+                 *, warmup_steps: int = 0, **engine) -> None:
         comm = sanitize_comm(engine.get("comm"))
         error = _check_lr(lr)
         if error is None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             error = ValueError(f"rank (of the approximation) must be a positive int, got {rank!r}")
+        if error is None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int)
+                              or warmup_steps < 0):
+            error = ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if error is None and warmup_steps and "codec" in engine:
+            error = ValueError("give warmup_steps or codec, not both (wrap the codec in "
+                               "heatlike.engine.Warmup instead)")
         raise_together(error, comm)
-        engine.setdefault("codec", codecs.PowerSGD(rank, reuse_query=reuse_query))
+        codec = codecs.PowerSGD(rank, reuse_query=reuse_query)
+        engine.setdefault("codec", codecs.Warmup(codec, warmup_steps) if warmup_steps else codec)
         super().__init__(world_size, model, use_cuda, by_layer, False, True,
                          _op="avg" if average_world else "sum", **engine)
         self.rank = rank
