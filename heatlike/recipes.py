@@ -521,13 +521,15 @@ class TrainResult:
 
 def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, seed: int = 0,
                curve: bool = True, target: float | None = None,
-               device: torch.device | str | None = None) -> TrainResult:
+               device: torch.device | str | None = None,
+               on_runner: Callable[[Runner], None] | None = None) -> TrainResult:
     """Train ``task``'s model with algorithm ``name`` for ``epochs`` epochs, or until the test
     accuracy reaches ``target`` (checked after every epoch), on ``device`` (default: the CPU; see
     :func:`heatlike.utils.select_device`). With ``curve``, every epoch ends with
     a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
-    epoch times are measured between a barrier and the slowest rank's end). Returns the final
-    accuracy, every step's time on this rank and the mean bytes per step."""
+    epoch times are measured between a barrier and the slowest rank's end). ``on_runner`` is
+    called with the :class:`Runner` before the first step (to inspect or instrument it). Returns
+    the final accuracy, every step's time on this rank and the mean bytes per step."""
     from mpi4py import MPI as _MPI
 
     from .utils.data import DataLoader, Dataset
@@ -537,6 +539,8 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
     if device is not None:
         net = net.to(device)
     runner = make_runner(name, net, comm, task.lr, epochs)
+    if on_runner is not None:
+        on_runner(runner)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed)
     times: list[float] = []
     points: list[EpochPoint] = []

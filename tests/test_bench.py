@@ -546,6 +546,47 @@ def test_cluster_report_times_to_accuracy_against_blocking_data_parallel(tmp_pat
     assert all(os.path.getsize(p) > 1000 for p in paths)
 
 
+def test_daso_is_modelled_by_the_median_of_its_own_schedule():
+    """A DASO job records what each step did (from DASO's trace); the model is the median of
+    those steps' modelled times: the local all-reduce, the scatter of a send, and for a merge
+    the cross-node sum (blocking: all of it; k steps after its send: what did not fit into k
+    steps of computation) plus the gather and broadcast."""
+    from types import SimpleNamespace
+
+    from heatlike.bench import cluster as bc
+
+    # 2 epochs of 4 batches: epoch 0 blocking every batch; epoch 1 sends at 0 (merged at 1) and
+    # blocks at its last batch, averaging locally in batches 0, 1 and 3 only
+    trace = [(0, b, *e) for b in range(4) for e in (("local",), ("send", b % 2, 0),
+                                                    ("blocking", b % 2))]
+    trace += [(1, 0, "local"), (1, 0, "send", 0, 1), (1, 1, "local"), (1, 1, "merge", 0),
+              (1, 3, "local"), (1, 3, "send", 1, 0), (1, 3, "blocking", 1)]
+    daso = SimpleNamespace(trace=trace, last_batch=4)
+    schedule = bc.daso_schedule(daso, 8, skip=1)
+    assert schedule == {"local+send+merge": 4, "local+send": 1, "local+merge@1": 1, "": 1}
+    shapes = cm.Shapes.of(mlp([64, 128, 64, 10]))
+    lay = cm.Layout(4, 2)
+    parts = cm.daso_parts(shapes, lay, LINKS)
+    compute = parts["cross"] / 3
+    blocking = parts["local"] + parts["send"] + parts["cross"] + parts["collect"]
+    late = parts["local"] + parts["cross"] - compute + parts["collect"]
+    times = sorted(cm.daso_step_times(shapes, lay, LINKS, schedule, compute))
+    assert times == pytest.approx(sorted([blocking] * 4 + [parts["local"] + parts["send"],
+                                                           late, 0.0]))
+    assert cm.daso_step_times(shapes, lay, LINKS, {"merge@4": 1}, compute) == pytest.approx(
+        [parts["collect"]])  # the sum fitted into 4 steps of computation
+    links = {"local": {"alpha": 2e-6, "beta": 1e-10},
+             "cross": {"alpha": 5e-6, "beta": 1e-9, "one_flow_bandwidth": 1e9}}
+    row = {**_job_row("daso", [[1, 1.0, 0.9]], 0.01, 1.0), "links": links, "layout": [4, 2],
+           "shapes": [list(p.shape) for p in mlp([64, 128, 64, 10]).parameters()],
+           "compute_s": compute, "codec_s": 0.0, "daso_schedule": schedule}
+    modelled = bc.with_model([row])[0]["model_s"]
+    assert modelled == pytest.approx(compute + times[3])  # the median of 7 steps
+    cycling = bc.with_model([{k: v for k, v in row.items() if k != "daso_schedule"}])[0]
+    assert cycling["model_s"] == pytest.approx(compute + cm.comm_time("daso", shapes, lay,
+                                                                      LINKS))
+
+
 def test_cluster_report_puts_the_cost_model_next_to_the_measured_step():
     """model = the job's compute + codec time + the modelled communication on the measured
     links; for the all-reduce of m float32 parameters on 2 nodes x 2 ranks that is the library's
@@ -634,15 +675,21 @@ def test_cluster_suite_measures_the_links_of_a_virtual_cluster(tmp_path):
 @pytest.mark.system
 def test_cluster_suite_in_a_running_job_reports_the_engines_bytes(tmp_path):
     """Under mpiexec / srun (world size > 1) the suite trains in the running job and says that
-    its bytes are the engine's payload count, not link counters."""
+    its bytes are the engine's payload count, not link counters; a DASO job records its
+    schedule (every timed step by what it did)."""
     from test_launch import mpiexec
 
-    rows, stdout = _bench_cluster(tmp_path, "--algorithms", "allreduce",
+    rows, stdout = _bench_cluster(tmp_path, "--algorithms", "allreduce,daso",
                                   launcher=[mpiexec(), "-n", "2"])
-    (row,) = rows
+    row, daso = rows
     assert row["counted"] == "engine payload" and row["rate"] == "as launched"
     assert row["link_bytes"] == pytest.approx(row["payload_bytes_per_step"] * row["steps"])
     assert row["link_bytes"] > 0 and "engine payload" in stdout
+    assert "daso_schedule" not in row
+    schedule = daso["daso_schedule"]
+    assert sum(schedule.values()) == daso["steps"] - 3  # the timed steps
+    # one epoch, no warmup: a send every 4 batches merged in the next, a blocking last batch
+    assert schedule.get("local+send+merge") == 1 and schedule.get("local+merge@1", 0) >= 1
 
 
 @pytest.mark.parametrize("argv", [

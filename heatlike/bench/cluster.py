@@ -27,8 +27,11 @@ Per job it reports
   engine's codec clock) plus the modelled communication on the links measured before the jobs
   of each rate (``--job links``, :func:`measure_cluster_links`: alpha and beta inside a node;
   between the nodes alpha, and beta of a node's link with all its ranks sending at once), and
-  ``step / model``. The same inputs give the projection to 8 ... 4096 ranks
-  printed after the table.
+  ``step / model``. For DASO, whose steps differ (blocking, send, merge, local only), the
+  modelled communication is the median over the steps its schedule ran (recorded from DASO's
+  trace: :func:`daso_schedule`, :func:`heatlike.bench.costmodel.daso_step_times`). The same
+  inputs give the projection to 8 ... 4096 ranks printed after the table (DASO: its cycling
+  phase).
 
 Figures (``--plot DIR``): ``cluster_time_to_accuracy.png``, ``cluster_step_time.png`` and
 ``cluster_link_bytes.png``: per algorithm one bar per link rate, one panel per model.
@@ -100,9 +103,12 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     comm = MPICommunication(MPI.COMM_WORLD)
     task = _task(model)
     codec_before = CODEC_CLOCK.seconds
-    result = train_task(algorithm, comm, task, epochs=epochs, seed=0, curve=True)
+    daso = []
+    result = train_task(algorithm, comm, task, epochs=epochs, seed=0, curve=True,
+                        on_runner=lambda runner: _trace_daso(runner, daso))
     codec = (CODEC_CLOCK.seconds - codec_before) / max(1, len(result.step_times))
-    steps = result.step_times[min(3, len(result.step_times) - 1):]  # the first build buckets
+    skip = min(3, len(result.step_times) - 1)
+    steps = result.step_times[skip:]  # the first build buckets
     step = comm.handle.allreduce(statistics.median(steps), op=MPI.MAX)
     net = task.build(0)
     parameters = sum(p.numel() for p in net.parameters())
@@ -114,7 +120,44 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
             "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
             "compute_s": _compute_time(net, task.batch_size, comm.handle),
-            "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve]}
+            "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve],
+            **({"daso_schedule": daso_schedule(daso[0], len(result.step_times), skip)}
+               if daso else {})}
+
+
+def _trace_daso(runner, keep: list) -> None:
+    """Record the schedule of a DASO run (its ``trace``), for the cost model."""
+    from ..optim import DASO
+
+    if isinstance(runner.optimizer, DASO):
+        runner.optimizer.trace = []
+        keep.append(runner.optimizer)
+
+
+def daso_schedule(daso, steps: int, skip: int = 0) -> dict[str, int]:
+    """Steps ``skip .. steps - 1`` of a DASO run by what they did, from its ``trace``, keyed as
+    :func:`heatlike.bench.costmodel.daso_step_times` reads them: ``"local"``, ``"send"``,
+    ``"merge"`` (blocking) or ``"merge@k"`` (sent k steps before), joined by ``+``."""
+    did: dict[tuple[int, int], list[str]] = {}
+    in_flight: dict[int, int] = {}  # group -> batches between its send and its merge
+    for epoch, batch, event, *rest in daso.trace:
+        tokens = did.setdefault((epoch, batch), [])
+        if event == "send":
+            group, btw = rest
+            tokens.append("send")
+            if btw:
+                in_flight[group] = btw
+        elif event == "blocking":
+            tokens.append("merge")
+        elif event == "merge":
+            tokens.append(f"merge@{in_flight.pop(rest[0])}")
+        else:
+            tokens.insert(0, event)  # "local" first
+    counts: dict[str, int] = {}
+    for step in range(skip, steps):
+        key = "+".join(did.get(divmod(step, daso.last_batch), []))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _compute_time(net, batch: int, comm, steps: int = 12) -> float:
@@ -358,15 +401,20 @@ def with_model(rows: list[dict]) -> list[dict]:
     links: the job's measured compute and codec time per step plus the modelled communication
     on the measured links, at the job's layout (``layout``: ranks, ranks per node; the
     cluster's 2 x 2 for rows without one); and the ratio measured / model."""
-    from .costmodel import Layout, Shapes, comm_time
+    from .costmodel import Layout, Shapes, comm_time, daso_step_times
 
     for row in rows:
         row["model_s"] = row["model_ratio"] = None
         if not _modelled(row):
             continue
         layout = Layout(*row.get("layout", (sum(RANKS_PER_NODE), max(RANKS_PER_NODE))))
-        row["model_s"] = (row["compute_s"] + row["codec_s"] + comm_time(
-            row["algorithm"], Shapes.of(row["shapes"]), layout, _links_of(row)))
+        shapes, links = Shapes.of(row["shapes"]), _links_of(row)
+        if row.get("daso_schedule"):  # the median step of the run's own schedule
+            comm = statistics.median(daso_step_times(shapes, layout, links,
+                                                     row["daso_schedule"], row["compute_s"]))
+        else:
+            comm = comm_time(row["algorithm"], shapes, layout, links)
+        row["model_s"] = row["compute_s"] + row["codec_s"] + comm
         row["model_ratio"] = row["step_s"] / row["model_s"]
     return rows
 

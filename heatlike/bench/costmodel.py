@@ -65,7 +65,8 @@ DASO (cycling phase: global sync      node-local all-reduce of 4m every step, an
 every k = 4 steps)                     every k steps a node-local scatter of 4m, an
                                        all-reduce of 2m (bfloat16) among the N nodes
                                        carried in L shards at once, a node-local gather
-                                       of 4m and broadcast of 4m
+                                       of 4m and broadcast of 4m (a run's own schedule:
+                                       ``daso_step_times``)
 =====================================  ==================================================
 
 Predicted step time = measured compute time of one step (forward, backward and local optimizer
@@ -87,6 +88,7 @@ from dataclasses import dataclass
 __all__ = ["Link", "Links", "Layout", "ring_allreduce", "halving_allreduce",
            "library_allreduce", "allgather", "reduce", "bcast", "hierarchical_allreduce",
            "engine_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
+           "daso_parts", "daso_step_times",
            "payload_bytes", "predict", "parse_links", "RANKS", "run", "local_step_time"]
 
 #: the predicted world sizes
@@ -356,20 +358,55 @@ def _partial(threshold: int) -> Model:
     return model
 
 
+def daso_parts(s: Shapes, lay: Layout, links: Links) -> dict[str, float]:
+    """Seconds of DASO's kinds of communication: ``"local"``, the node's gradient all-reduce of
+    4m (a batch that averages inside the node); ``"send"``, the member's change scattered inside
+    the node (a batch that starts a global synchronization); ``"cross"``, the shards' bfloat16
+    all-reduce across the nodes (every local rank carrying its shard at once, sharing the node's
+    link); ``"collect"``, the sum's shards gathered back to the member and the result broadcast
+    (the batch that merges)."""
+    n = 4.0 * s.total
+    local, nodes = lay.local, lay.nodes
+    shard = allgather(n / local, local, links.local) if local > 1 else 0.0
+    return {"local": halving_allreduce(n, local, links.local), "send": shard,
+            "cross": halving_allreduce(n / 2, nodes, links.cross),
+            "collect": shard + bcast(n, local, links.local)}
+
+
+def daso_step_times(s: Shapes, lay: Layout, links: Links, schedule: dict[str, int],
+                    compute_s: float = 0.0) -> list[float]:
+    """The communication seconds of every step of a DASO run whose steps are counted by kind in
+    ``schedule``. A key names what the step did, joined by ``+``: ``"local"``, ``"send"``,
+    ``"merge"`` (of the synchronization sent in the same step: blocking), ``"merge@k"`` (of one
+    sent k steps before); ``""`` for none of them. The value is the number of such steps. A
+    blocking merge pays the whole cross-node sum; a later one only what of it did not fit into
+    the k steps' computation (``compute_s`` each) it overlapped."""
+    parts = daso_parts(s, lay, links)
+    times = []
+    for kind, count in schedule.items():
+        seconds = 0.0
+        for token in filter(None, kind.split("+")):
+            if token.startswith("merge"):
+                late = int(token.partition("@")[2] or 0)
+                seconds += max(0.0, parts["cross"] - late * compute_s) + parts["collect"]
+            else:
+                seconds += parts[token]
+        times += [seconds] * count
+    return times
+
+
 def _daso(every: int) -> Model:
+    """The cycling phase: a global synchronization every ``every`` steps, local averaging in
+    every step."""
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         n = 4.0 * s.total
         local, nodes = lay.local, lay.nodes
-        node_grads = halving_allreduce(n, local, links.local)
-        # the member's change scattered in the node, its shards carried across by every local
-        # rank at once (sharing the node's link), gathered back, the merge broadcast
-        shards = 2 * allgather(n / local, local, links.local) if local > 1 else 0.0
-        sync = halving_allreduce(n / 2, nodes, links.cross) + shards + \
-            bcast(n, local, links.local)
+        parts = daso_parts(s, lay, links)
         # per rank: every step its node's gradient all-reduce; per global sync a shard of the
         # bfloat16 change across the nodes, and every rank takes part in the broadcast
         per_sync = (n / 2 / local if nodes > 1 else 0.0) + (n if local > 1 else 0.0)
-        return node_grads + sync / every, (n if local > 1 else 0.0) + per_sync / every
+        return (parts["local"] + (parts["send"] + parts["cross"] + parts["collect"]) / every,
+                (n if local > 1 else 0.0) + per_sync / every)
     return model
 
 
