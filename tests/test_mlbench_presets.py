@@ -262,6 +262,30 @@ def test_centralized_sparsified_sgd_sends_k_per_tensor(comm):
     _same_everywhere(comm, net)
 
 
+@pytest.mark.parametrize("random_sparse", [False, True], ids=["blocks", "coordinates"])
+def test_sparsified_updates_touch_only_their_coordinates(comm, random_sparse):
+    """A sparsified step applies exactly -(sum of every rank's sent coordinates) / P, through
+    the combined update's support only (each rank's own choice of coordinates: a block or
+    indices, which may coincide between ranks); the other coordinates stay bitwise equal."""
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(4000))
+    opt = optim.CentralizedSparsifiedSGD([w], lr=0.5, sparse_grad_size=10,
+                                         random_sparse=random_sparse, comm=comm)
+    g = torch.randn(4000, generator=torch.Generator().manual_seed(comm.rank))
+    before = w.detach().clone()
+    w.grad = g.clone()
+    opt.step()
+    assert opt.sync.support_of(w) is not None, "the update's support is not used"
+    memory = opt.sync.codec.state_for(0)["residual"]
+    sent = 0.5 * g - memory
+    total = sent.clone()
+    comm.Allreduce(hl.IN_PLACE, total)
+    torch.testing.assert_close(w.detach(), before - total / comm.size)
+    untouched = total == 0
+    assert torch.equal(w.detach()[untouched], before[untouched])
+    assert torch.equal(w.grad, g)  # the user's gradient is given back
+
+
 def test_sign_sgd_majority_vote(comm):
     net = _net()
     opt = optim.SignSGD(net.parameters(), lr=0.01, comm=comm)

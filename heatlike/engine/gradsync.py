@@ -125,6 +125,7 @@ class GradientSync:
         self.names = list(names) if names is not None else \
             [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
+        self._contexts: dict[int, Context] = {}  # each bucket's last exchange (its support)
         # what the user may change while a bucket is in flight, to detect it (changed_in_flight):
         # the version counter of each launched bucket's buffer after the engine last touched it,
         # and each gradient that was copied into a bucket (not a bucket view) with its version at
@@ -244,6 +245,7 @@ class GradientSync:
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
                       state=self.codec.state_for(b))
         self._exchanges[b] += 1
+        self._contexts[b] = ctx
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
             return self.lane.start(bucket.buffer, ctx)
         return self.lane.start(bucket.values, ctx, bucket.flags)
@@ -436,6 +438,16 @@ class GradientSync:
         ``p.grad`` is exchanged without being copied in or out."""
         b, i = self._where[id(p)]
         return self.buckets[b].views[i]
+
+    def support_of(self, p: torch.nn.Parameter) -> slice | torch.Tensor | None:
+        """Where the last combined value of ``p`` (alone in its bucket) can be nonzero, over
+        ``p.view(-1)``: the slice or indices its codec reported (a sparsifier's selection), or
+        None when it can be anywhere (a dense codec, a non-finite input, a shared bucket)."""
+        b, _ = self._where[id(p)]
+        ctx = self._contexts.get(b)
+        if ctx is None or len(self.buckets[b].params) != 1 or b not in self._consumed:
+            return None
+        return ctx.support
 
     def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (sorted)."""

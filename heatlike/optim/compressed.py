@@ -155,8 +155,14 @@ class _UpdateSync(torch.optim.Optimizer):
             updates[p] = view
         self._exchange_updates(updates, tracker)
         for p in self.sync.params:
-            if p.grad is not None:
+            if p.grad is None:
+                continue
+            support = self.sync.support_of(p) if p.is_contiguous() else None
+            if support is None:
                 p.sub_(p.grad)
+            else:  # a sparsified update is zero elsewhere: touch only its coordinates (each
+                # once, even where indices repeat)
+                p.view(-1)[support] -= p.grad.reshape(-1)[support]
         self._restore_grads()
         track(tracker, "opt_step")
 
