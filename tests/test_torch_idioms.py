@@ -273,3 +273,53 @@ def test_daso_and_distopt_are_torch_optimizers_that_lr_schedulers_drive(comm):
         opt.param_groups[0]["lr"] = 1.0
         opt.load_state_dict(state)
         assert opt.param_groups[0]["lr"] == LR / 2
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wrapper", ["blocking", "non-blocking", "daso"])
+def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
+    """copy.deepcopy (an EMA copy), torch.optim.swa_utils.AveragedModel and torch.save of the
+    module a wrapper holds give plain modules with the module's current weights, whose forward
+    passes leave the wrapper alone (a non-blocking update still pending stays pending: flush()
+    first to copy it too), on every rank."""
+    import copy
+    import io
+
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO
+
+    net = _net()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    if wrapper == "daso":
+        opt = DASO(sgd, total_epochs=3, comm=comm, warmup_epochs=1, cooldown_epochs=1)
+        model = DataParallelMultiGPU(net, opt)
+        opt.last_batch = 4
+    else:
+        opt = DataParallelOptimizer(sgd, blocking=wrapper == "blocking")
+        model = DataParallel(net, comm, optimizer=opt)
+    averaged = torch.optim.swa_utils.AveragedModel(net)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _data(step, comm.rank)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        averaged.update_parameters(net)
+    pending = wrapper == "non-blocking" and comm.size > 1
+    assert bool(getattr(model.grad_sync, "pending", list)()) == pending
+    weights = [p.detach().clone() for p in net.parameters()]
+    ema = copy.deepcopy(net)
+    buffer = io.BytesIO()
+    torch.save(net, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (ema, loaded):
+        assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), weights))
+    x, _ = _data(9, comm.rank)
+    with torch.no_grad():
+        outputs = [m(x) for m in (ema, loaded, averaged)]
+    assert bool(getattr(model.grad_sync, "pending", list)()) == pending  # untouched by copies
+    assert torch.equal(outputs[0], outputs[1])
+    assert all(out.shape == (4, 3) and bool(torch.isfinite(out).all()) for out in outputs)
+    if pending:  # the update in flight lands in the wrapped module, not in the copies
+        model.flush()
+        assert not all(torch.equal(a, b) for a, b in zip(net.parameters(), weights))

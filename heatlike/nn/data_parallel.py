@@ -36,6 +36,7 @@ from ..engine.replicas import (
 )
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
+from .hooks import WrapperHook
 
 __all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_replicas",
            "verify_replicas"]
@@ -164,15 +165,15 @@ class DataParallel(torch.nn.Module):
             names=[n for n, _ in named])
         if optimizer is not None:
             optimizer._attach(self)
-        self._handles = [module.register_forward_pre_hook(self._before_forward)]
+        self._handles = [module.register_forward_pre_hook(WrapperHook(self._before_forward))]
         if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
             return
-        self._handles.append(module.register_forward_hook(self._after_forward))
+        self._handles.append(module.register_forward_hook(WrapperHook(self._after_forward)))
         for sub in module.modules():
             own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
             if own and sub is not module:
-                self._handles.append(sub.register_forward_pre_hook(
-                    lambda _m, _args, own=own: self._before_layer(own)))
+                self._handles.append(sub.register_forward_pre_hook(WrapperHook(
+                    lambda _m, _args, own=own: self._before_layer(own))))
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -308,13 +309,14 @@ class DataParallelMultiGPU(torch.nn.Module):
                                           bucket_cap_mb, first_bucket_mb,
                                           on_backward_end=self._backward_end)
         optimizer.set_model(module)
-        self._handle = module.register_forward_pre_hook(self._before_forward)
+        self._handle = module.register_forward_pre_hook(WrapperHook(self._before_forward))
         # The global synchronizations in flight move on only inside MPI calls, and a phase of a
         # multi-phase exchange (the half-precision sum) starts only when its request is tested:
         # poll them before every leaf module's forward and after every gradient, so their bytes
         # cross the link during the batches between send and merge instead of in the merge's wait.
         leaves = [m for m in module.modules() if m is not module and not any(m.children())]
-        self._poll_handles = [m.register_forward_pre_hook(self._poll) for m in leaves] + \
+        self._poll_handles = [m.register_forward_pre_hook(WrapperHook(self._poll))
+                              for m in leaves] + \
             [p.register_post_accumulate_grad_hook(self._poll) for p in module.parameters()
              if p.requires_grad]
 

@@ -426,6 +426,7 @@ def _data_parallels(objects) -> list:
     """The DataParallel wrappers behind ``objects``: a DataParallel itself, the bare module it
     wraps (found through the hooks it registered), a DataParallelOptimizer attached to it."""
     from ..nn.data_parallel import DataParallel
+    from ..nn.hooks import WrapperHook
 
     found: list = []
 
@@ -438,7 +439,8 @@ def _data_parallels(objects) -> list:
         if isinstance(obj, torch.nn.Module):
             for hooks in (obj._forward_pre_hooks, obj._forward_hooks):
                 for hook in list(hooks.values()):
-                    add(getattr(hook, "__self__", None))
+                    fn = hook.fn if isinstance(hook, WrapperHook) else hook
+                    add(getattr(fn, "__self__", None))
         add(getattr(obj, "__dict__", {}).get("_model"))
     return found
 
