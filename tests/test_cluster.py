@@ -307,7 +307,9 @@ def test_no_traffic_is_reported(cluster, tmp_path, capsys):
                          transport={})
     assert bypass.returncode == 0 and bypass.crossed is False, bypass.report()
     assert json.loads(out.read_text())[0]["sum"] == 6.0
-    assert bypass.between_nodes < 4096, bypass.report()
+    # the 4 MB all-reduce put less than 0.4% of itself on the links (neighbour discovery and
+    # the launcher's connections make a few KB of their own)
+    assert bypass.between_nodes < cl.MIN_BYTES, bypass.report()
 
 
 @pytest.mark.system

@@ -92,6 +92,13 @@ def test_every_script_without_a_gpu_is_submitted_here():
         assert any(stem in name for name in tested), f"{script.name} is never submitted"
 
 
+def _until_exec(pid: int, comm: str, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while Path(f"/proc/{pid}/comm").read_text().strip() != comm:
+        assert time.monotonic() < deadline, f"process {pid} never became {comm}"
+        time.sleep(0.01)
+
+
 def test_slurm_down_stops_only_its_own_processes(tmp_path):
     """A process whose environment names this SLURM's configuration is its job's; any other
     process on the nodes (a job of ``VirtualCluster.run``) is left alone by ``down``."""
@@ -101,6 +108,9 @@ def test_slurm_down_stops_only_its_own_processes(tmp_path):
     theirs = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": str(s.conf)})
     other = subprocess.Popen(["sleep", "30"], env={"SLURM_CONF": str(tmp_path / "x.conf")})
     try:
+        # until exec, a child's /proc environ is still the parent's
+        for p in (theirs, other):
+            _until_exec(p.pid, "sleep")
         assert s._owns(theirs.pid) and not s._owns(other.pid)
         assert not s._owns(os.getpid()) or os.environ.get("SLURM_CONF") == str(s.conf)
     finally:

@@ -120,6 +120,9 @@ def _watchdog() -> None:
             with contextlib.suppress(OSError), open(
                     os.path.join(state_dir, f"hung-rank{rank}.txt"), "w") as f:
                 f.write(nodeid or "")
+        # mpiexec forwards a rank's output through pipes and drops what is still in them once
+        # an abort has killed the job: give the message time to reach it
+        time.sleep(1.0)
         _world().Abort(124)
         os._exit(124)
 
