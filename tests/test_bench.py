@@ -126,10 +126,10 @@ def test_algorithm_models_by_hand():
     hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 4 * m * 1e-9
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
     # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
-    # 2 nodes (in 4 shards), a node-local scatter and gather, and a broadcast of 4m
+    # 2 nodes (in 4 shards) and a node-local all-gather of the merged shards of 4m
     node = 2 * 2 * 2e-6 + 2 * 3 / 4 * 4 * m * 1e-10
-    sync = 2 * 1 * 5e-6 + 2 * 1 / 2 * 2 * m * 1e-9 + 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)
-    shards = 2 * 3 * (2e-6 + 4 * m / 4 * 1e-10)  # the change scattered, the sum gathered
+    sync = 2 * 1 * 5e-6 + 2 * 1 / 2 * 2 * m * 1e-9
+    shards = 3 * (2e-6 + 4 * m / 4 * 1e-10)  # the merged shards, all-gathered in the node
     assert cm.comm_time("daso", shapes, lay, LINKS) == pytest.approx(node + (sync + shards) / 4)
     # DistOpt partial: the engine plans 4 partitions of this MLP at 4096 elements
     assert shapes.partitions(4096) == 4
@@ -575,6 +575,9 @@ def test_daso_is_modelled_by_the_median_of_its_own_schedule():
                                                            late, 0.0]))
     assert cm.daso_step_times(shapes, lay, LINKS, {"merge@4": 1}, compute) == pytest.approx(
         [parts["collect"]])  # the sum fitted into 4 steps of computation
+    # the warmup's gradient all-reduce over every rank is the bf16 codec's
+    assert cm.daso_step_times(shapes, lay, LINKS, {"gradients": 2}) == pytest.approx(
+        [cm.comm_time("bf16", shapes, lay, LINKS)] * 2)
     links = {"local": {"alpha": 2e-6, "beta": 1e-10},
              "cross": {"alpha": 5e-6, "beta": 1e-9, "one_flow_bandwidth": 1e9}}
     row = {**_job_row("daso", [[1, 1.0, 0.9]], 0.01, 1.0), "links": links, "layout": [4, 2],

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 import heatlike as hl
+from heatlike.engine import Cast
 from heatlike.nn import DataParallel, DataParallelMultiGPU
 from heatlike.optim import DASO, DataParallelOptimizer
+from heatlike.optim import daso as daso_module
 
 pytestmark = pytest.mark.mpi
 
@@ -93,11 +95,15 @@ EPOCH_TABLE = [(0, 0, 0),                          # 0: warmup, blocking
                (0, 0, 0)]                          # 11: cooldown, blocking
 
 
-def expected_events(table, batches, groups):
-    """The per-batch events the rules give (see heatlike.optim.daso)."""
+def expected_events(table, batches, groups, gradient_epochs=0):
+    """The per-batch events the rules give (see heatlike.optim.daso); the first
+    ``gradient_epochs`` epochs average gradients over every rank (the warmup on several nodes)."""
     events = []
     last = batches - 1
     for e, (gs, ls, btw) in enumerate(table):
+        if e < gradient_epochs:
+            events += [(e, b, "gradients") for b in range(batches)]
+            continue
         pending, group = [], 0
         for b in range(batches):
             if gs == 0 or ls <= 1 or b % ls == 0 or b % gs <= btw or b == last:
@@ -117,10 +123,12 @@ def expected_events(table, batches, groups):
 
 
 @pytest.mark.mpi_timeout(200)
-def test_schedule_matches_the_rules(comm, nodes):
+@pytest.mark.parametrize("warmup_sync", ["gradients", "parameters"])
+def test_schedule_matches_the_rules(comm, nodes, warmup_sync):
     model_net = Net()
     daso = DASO(torch.optim.SGD(model_net.parameters(), lr=0.05), total_epochs=12, comm=comm,
-                warmup_epochs=1, cooldown_epochs=1, sending_chunk_size=64)
+                warmup_epochs=1, cooldown_epochs=1, sending_chunk_size=64,
+                warmup_sync=warmup_sync)
     model = DataParallelMultiGPU(model_net, daso)
     daso.trace = []
     seen = []
@@ -131,7 +139,9 @@ def test_schedule_matches_the_rules(comm, nodes):
     topo = daso.topology
     assert daso.groups == min(topo.local_sizes)
     assert seen == EPOCH_TABLE
-    assert daso.trace == expected_events(EPOCH_TABLE, 10, daso.groups)
+    # one node: the node's gradient average is the global one, synchronized as in cycling
+    warmup = 1 if topo.num_nodes > 1 and warmup_sync == "gradients" else 0
+    assert daso.trace == expected_events(EPOCH_TABLE, 10, daso.groups, warmup)
 
 
 def test_max_global_skips_and_factors_are_honoured(comm):
@@ -182,6 +192,106 @@ def test_blocking_daso_equals_blocking_data_parallel(comm, nodes, downcast, tol)
             "weights were rounded to bfloat16"
 
 
+@pytest.mark.parametrize("downcast", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_warmup_averages_gradients_as_data_parallel_does(comm, nodes, downcast):
+    """On several nodes the warmup (``warmup_sync="gradients"``) averages gradients over every
+    rank in DASO's wire type: bitwise the step of blocking DataParallel with that codec, on every
+    rank; BatchNorm's statistics are averaged; nothing is sent as parameters. When the warmup
+    ends, the change sent in the cycling phase is measured from the parameters it left."""
+    net, ref_net = Net(seed=6), Net(seed=6)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), total_epochs=3,
+                comm=comm, warmup_epochs=2, cooldown_epochs=0, downcast_type=downcast)
+    model = DataParallelMultiGPU(net, daso)
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(ref_net.parameters(), lr=0.1, momentum=0.9),
+                                   blocking=True)
+    codec = None if downcast is torch.float32 else Cast(downcast)
+    dp = DataParallel(ref_net, comm, optimizer=dp_opt, sync_buffers=None, codec=codec)
+    several = daso.topology.num_nodes > 1
+    assert daso.gradient_warmup == several
+    daso.last_batch = 3
+    daso.trace = []
+    for step in range(6):  # the two warmup epochs
+        x, y = _data(step, B, seed=comm.rank + 1)
+        for m, opt in ((model, daso), (dp, dp_opt)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+        if several:
+            assert torch.equal(_flat(net), _flat(ref_net)), step
+    _identical_everywhere(comm, net)
+    if several:
+        assert daso.bytes_cross == 0 and {e for _, _, e, *_ in daso.trace} == {"gradients"}
+        assert not daso.gradient_warmup and daso.epoch == 2
+        now = torch.cat([t.detach().reshape(-1) for t in daso._tensors])
+        assert torch.equal(daso._ref, now)  # the cycling phase's reference
+    x, y = _data(6, B, seed=comm.rank + 1)
+    daso.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    daso.step()  # cycling: the node's average, and a send of group 0
+    assert model.global_sync is None and daso.warmup_grads is None
+    after = [event for epoch, _, event, *_ in daso.trace if epoch == 2]
+    assert "send" in after and "gradients" not in after and not daso.gradient_warmup
+
+
+def test_the_gradient_warmup_averages_batchnorm_statistics(comm, nodes):
+    """BatchNorm's running statistics, computed from each rank's own batches, are averaged over
+    every rank after each warmup step."""
+    net = Net(seed=7, bn=True)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                warmup_epochs=1, cooldown_epochs=0)
+    model = DataParallelMultiGPU(net, daso)
+    daso.last_batch = 4
+    x, y = _data(0, B, seed=comm.rank + 1)
+    mean_before = net.bn.running_mean.clone()
+    daso.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    mine = net.bn.running_mean.clone()  # this rank's own update
+    everyone = torch.empty(comm.size * mine.numel())
+    comm.Allgather(mine, everyone)
+    daso.step()
+    if daso.topology.num_nodes > 1:  # one node: the member's statistics, as its parameters
+        torch.testing.assert_close(net.bn.running_mean, everyone.view(comm.size, -1).mean(0))
+    assert not torch.equal(net.bn.running_mean, mean_before)
+    _identical_everywhere(comm, net)
+
+
+def test_a_warmup_resumed_with_replicas_no_longer_equal_synchronizes_parameters(comm, nodes):
+    """Once the replicas may differ (the cycling phase ran: optimizer states differ by node),
+    a warmup entered again (``reset``, or an old checkpoint) synchronizes parameters."""
+    net = Net(seed=8)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                warmup_epochs=1, cooldown_epochs=0)
+    model = DataParallelMultiGPU(net, daso)
+    _train(daso, model, 2, 3)
+    daso.reset()
+    daso.trace = []
+    _train(daso, model, 1, 3, check=lambda e: _identical_everywhere(comm, net))
+    assert not daso.gradient_warmup and model.global_sync is None
+    assert {e for _, _, e, *_ in daso.trace} <= {"local", "send", "blocking"}
+    state = daso.state_dict()
+    assert state["daso"]["replicas_agree"] is False
+
+
+@pytest.mark.parametrize("bn", [False, True], ids=["mlp", "batchnorm"])
+def test_shards_computed_in_place_equal_the_members_scatter(comm, nodes, monkeypatch, bn):
+    """Where every batch was averaged inside the node, each local rank computes its own shard of
+    the change and of the merge (no scatter, one all-gather instead of gather + broadcast):
+    bitwise the parameters of the member's scatter, gather and broadcast, on every rank,
+    through blocking syncs, stale merges and a plateau's local skips."""
+    def run(local_shards):
+        monkeypatch.setattr(daso_module, "_LOCAL_SHARDS", local_shards)
+        net = Net(seed=9, bn=bn)
+        daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), total_epochs=6,
+                    comm=comm, warmup_epochs=1, cooldown_epochs=1, max_global_skips=4,
+                    sending_chunk_size=37)
+        model = DataParallelMultiGPU(net, daso)
+        # equal losses: plateaus, down to global_skip 1, then a restart with local skips
+        _train(daso, model, 6, 8, losses=[1.0] * 6)
+        return _flat(net)
+
+    assert torch.equal(run(True), run(False))
+
+
 def test_stale_merge_formula(comm, nodes):
     """A sync sent at batch 0 and merged at batch 1 (btw = 1) gives every rank
     (2*btw*p_local + n*avg) / (n + 2*btw), avg weighted by node size, then the node's value."""
@@ -207,15 +317,18 @@ def test_stale_merge_formula(comm, nodes):
     assert daso.trace is None and daso.current_batch == 2
 
 
-def test_the_members_parameters_cross_in_shards_carried_by_every_local_rank(comm, nodes):
+def test_the_members_parameters_cross_in_shards_carried_by_every_local_rank(comm, nodes,
+                                                                           monkeypatch):
     """A global synchronization sends the group member's parameters, even where the ranks of a
     node differ: the member scatters its change inside the node, each local rank with a partner
     on every node carries a shard (in sending chunks of 7), the member gathers the sum back.
-    Every rank ends with the node-size-weighted average of the members' values."""
+    Every rank ends with the node-size-weighted average of the members' values. (The ranks of
+    a node differ here behind DASO's back, so the shards computed in place are switched off.)"""
+    monkeypatch.setattr(daso_module, "_LOCAL_SHARDS", False)
     net = Net(seed=5, bn=True)
     daso = DASO(torch.optim.SGD(net.parameters(), lr=0.0), total_epochs=3, comm=comm,
                 warmup_epochs=2, cooldown_epochs=0, downcast_type=torch.float32,
-                sending_chunk_size=7)
+                sending_chunk_size=7, warmup_sync="parameters")
     model = DataParallelMultiGPU(net, daso)
     topo = daso.topology
     with torch.no_grad():  # a different value on every rank, inside a node too
@@ -339,6 +452,8 @@ def test_bad_input_fails_on_every_rank(comm):
         DASO(sgd, total_epochs=20, comm=comm, scheduler=torch.optim.lr_scheduler.StepLR)
     with pytest.raises(TypeError, match="max_global_skips"):
         DASO(sgd, total_epochs=20, comm=comm, max_global_skips=2.5)
+    with pytest.raises(ValueError, match="warmup_sync"):
+        DASO(sgd, total_epochs=20, comm=comm, warmup_sync="grads")
     daso = DASO(sgd, total_epochs=20, comm=comm)
     with pytest.raises(RuntimeError, match="DataParallelMultiGPU"):
         daso.step()

@@ -136,7 +136,8 @@ def _trace_daso(runner, keep: list) -> None:
 
 def daso_schedule(daso, steps: int, skip: int = 0) -> dict[str, int]:
     """Steps ``skip .. steps - 1`` of a DASO run by what they did, from its ``trace``, keyed as
-    :func:`heatlike.bench.costmodel.daso_step_times` reads them: ``"local"``, ``"send"``,
+    :func:`heatlike.bench.costmodel.daso_step_times` reads them: ``"gradients"``,
+    ``"local"``, ``"send"``,
     ``"merge"`` (blocking) or ``"merge@k"`` (sent k steps before), joined by ``+``."""
     did: dict[tuple[int, int], list[str]] = {}
     in_flight: dict[int, int] = {}  # group -> batches between its send and its merge

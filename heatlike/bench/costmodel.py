@@ -62,10 +62,10 @@ decentralized (ring gossip)            neighbor exchange of 4m with 2 neighbors
 DistOpt partial                        all-reduce of one partition, ``4m / partitions``
                                        on average (partitions of the engine's bucket plan)
 DASO (cycling phase: global sync      node-local all-reduce of 4m every step, and
-every k = 4 steps)                     every k steps a node-local scatter of 4m, an
-                                       all-reduce of 2m (bfloat16) among the N nodes
-                                       carried in L shards at once, a node-local gather
-                                       of 4m and broadcast of 4m (a run's own schedule:
+every k = 4 steps)                     every k steps an all-reduce of 2m (bfloat16)
+                                       among the N nodes carried in L shards at once and
+                                       a node-local all-gather of the merged 4m (a run's
+                                       own schedule, warmup included:
                                        ``daso_step_times``)
 =====================================  ==================================================
 
@@ -359,24 +359,27 @@ def _partial(threshold: int) -> Model:
 
 
 def daso_parts(s: Shapes, lay: Layout, links: Links) -> dict[str, float]:
-    """Seconds of DASO's kinds of communication: ``"local"``, the node's gradient all-reduce of
-    4m (a batch that averages inside the node); ``"send"``, the member's change scattered inside
-    the node (a batch that starts a global synchronization); ``"cross"``, the shards' bfloat16
-    all-reduce across the nodes (every local rank carrying its shard at once, sharing the node's
-    link); ``"collect"``, the sum's shards gathered back to the member and the result broadcast
-    (the batch that merges)."""
+    """Seconds of DASO's kinds of communication, where the ranks of a node hold the same
+    parameters (every batch averaged inside the node, DASO's cycling default: each rank computes
+    its own shard): ``"local"``, the node's gradient all-reduce of 4m (a batch that averages
+    inside the node); ``"send"``, nothing inside the node (a batch that starts a global
+    synchronization); ``"cross"``, the shards' bfloat16 all-reduce across the nodes (every local
+    rank carrying its shard at once, sharing the node's link); ``"collect"``, the merged shards
+    all-gathered inside the node (the batch that merges); ``"gradients"``, the warmup's
+    bfloat16 gradient all-reduce over every rank (the engine's, as for the bf16 codec)."""
     n = 4.0 * s.total
     local, nodes = lay.local, lay.nodes
-    shard = allgather(n / local, local, links.local) if local > 1 else 0.0
-    return {"local": halving_allreduce(n, local, links.local), "send": shard,
+    return {"local": halving_allreduce(n, local, links.local), "send": 0.0,
             "cross": halving_allreduce(n / 2, nodes, links.cross),
-            "collect": shard + bcast(n, local, links.local)}
+            "collect": allgather(n / local, local, links.local) if local > 1 else 0.0,
+            "gradients": _half_cast(s, lay, links)[0]}
 
 
 def daso_step_times(s: Shapes, lay: Layout, links: Links, schedule: dict[str, int],
                     compute_s: float = 0.0) -> list[float]:
     """The communication seconds of every step of a DASO run whose steps are counted by kind in
-    ``schedule``. A key names what the step did, joined by ``+``: ``"local"``, ``"send"``,
+    ``schedule``. A key names what the step did, joined by ``+``: ``"gradients"`` (the
+    warmup's all-reduce over every rank), ``"local"``, ``"send"``,
     ``"merge"`` (of the synchronization sent in the same step: blocking), ``"merge@k"`` (of one
     sent k steps before); ``""`` for none of them. The value is the number of such steps. A
     blocking merge pays the whole cross-node sum; a later one only what of it did not fit into
@@ -403,8 +406,9 @@ def _daso(every: int) -> Model:
         local, nodes = lay.local, lay.nodes
         parts = daso_parts(s, lay, links)
         # per rank: every step its node's gradient all-reduce; per global sync a shard of the
-        # bfloat16 change across the nodes, and every rank takes part in the broadcast
-        per_sync = (n / 2 / local if nodes > 1 else 0.0) + (n if local > 1 else 0.0)
+        # bfloat16 change across the nodes, and its merged shard to the node's other ranks
+        per_sync = (n / 2 / local if nodes > 1 else 0.0) + \
+            (n / local * (local - 1) if local > 1 else 0.0)
         return (parts["local"] + (parts["send"] + parts["cross"] + parts["collect"]) / every,
                 (n if local > 1 else 0.0) + per_sync / every)
     return model

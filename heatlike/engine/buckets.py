@@ -65,6 +65,22 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> to
     return out
 
 
+def pack_range(tensors: Sequence[torch.Tensor], start: int, stop: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """Elements ``start .. stop - 1`` of what :func:`pack` would give, copied into
+    ``out[:stop - start]`` (returned) without packing the rest."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            out[lo - start:hi - start].copy_(t.reshape(-1)[lo - offset:hi - offset])
+        offset += n
+        if offset >= stop:
+            break
+    return out[:stop - start]
+
+
 def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Copy consecutive slices of ``flat`` back into ``tensors`` (inverse of :func:`pack`)."""
     offset = 0

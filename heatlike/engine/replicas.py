@@ -88,11 +88,18 @@ def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = No
         comm.Bcast(flat, root=root)
         unpack(flat, tensors)
     if buffers_op == "average":
-        for tensors in _by_dtype(floats).values():
-            flat = pack(tensors)
-            comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
-            flat.div_(comm.size)
-            unpack(flat, tensors)
+        average_tensors(floats, comm)
+
+
+@torch.no_grad()
+def average_tensors(tensors: list[torch.Tensor], comm: MPICommunication) -> None:
+    """Collective: replace every tensor of ``tensors`` (floating point) by its average over the
+    ranks of ``comm``, one all-reduce per dtype and device, in the tensors' own dtype."""
+    for group in _by_dtype([t for t in tensors if t.numel()]).values():
+        flat = pack(group)
+        comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+        flat.div_(comm.size)
+        unpack(flat, group)
 
 
 def _digest(tensors) -> str:

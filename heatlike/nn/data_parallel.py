@@ -19,16 +19,16 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-from mpi4py import MPI
 
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.autotune import autotune
 from ..engine.buckets import pack, unpack
-from ..engine.codecs import Codec, codec_error
+from ..engine.codecs import Cast, Codec, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.replicas import (
     _by_dtype,
+    average_tensors,
     broadcast_module,
     check_replicas,
     no_trainable_parameters,
@@ -217,12 +217,7 @@ class DataParallel(torch.nn.Module):
                 self.comm.Bcast(flat, root=self._buffer_root)
                 unpack(flat, tensors)
         else:
-            floats = [b for b in buffers if b.is_floating_point()]
-            for tensors in _by_dtype(floats).values():
-                flat = pack(tensors)
-                self.comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
-                flat.div_(self.comm.size)
-                unpack(flat, tensors)
+            average_tensors([b for b in buffers if b.is_floating_point()], self.comm)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -309,6 +304,15 @@ class DataParallelMultiGPU(torch.nn.Module):
                                           bucket_cap_mb, first_bucket_mb,
                                           on_backward_end=self._backward_end)
         optimizer.set_model(module)
+        # the warmup's gradient averaging over every rank, in DASO's wire type (DASO's module
+        # docstring, "Warmup"); dropped when the warmup ends
+        self.global_sync = None
+        if optimizer.plans_gradient_warmup():
+            codec = Cast(optimizer.cast_dtype) if optimizer.cast_dtype != torch.float32 else None
+            self.global_sync = GradientSync(list(module.parameters()), comm, bucket_cap_mb,
+                                            first_bucket_mb, codec=codec,
+                                            on_backward_end=self._global_backward_end)
+            optimizer.warmup_grads = self.global_sync
         self._handle = module.register_forward_pre_hook(WrapperHook(self._before_forward))
         # The global synchronizations in flight move on only inside MPI calls, and a phase of a
         # multi-phase exchange (the half-precision sum) starts only when its request is tested:
@@ -322,8 +326,15 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     def _before_forward(self, _module, _args) -> None:
         self.optimizer._progress()
+        warmup = self.optimizer.gradient_warmup
+        if self.global_sync is not None and not warmup and not self.optimizer._replicas_agree:
+            self.global_sync.remove_hooks()  # the warmup is over, for good
+            self.global_sync = self.optimizer.warmup_grads = None
+        if self.global_sync is not None:
+            self.global_sync.enabled = warmup
         if self.grad_sync is not None:
-            self.grad_sync.enabled = not self.training or self.optimizer.local_sync_now()
+            self.grad_sync.enabled = not warmup and (not self.training or
+                                                     self.optimizer.local_sync_now())
 
     def _poll(self, *_args) -> None:
         if self.optimizer._pending:
@@ -333,15 +344,22 @@ class DataParallelMultiGPU(torch.nn.Module):
         self.optimizer._progress()
         self.grad_sync.synchronize()
 
+    def _global_backward_end(self) -> None:
+        self.global_sync.synchronize()
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def get_extra_state(self) -> dict:
-        return {"engine": self.grad_sync.state_dict() if self.grad_sync is not None else None}
+        return {"engine": self.grad_sync.state_dict() if self.grad_sync is not None else None,
+                "warmup": self.global_sync.state_dict() if self.global_sync is not None
+                else None}
 
     def set_extra_state(self, state: dict) -> None:
         if self.grad_sync is not None and state.get("engine") is not None:
             self.grad_sync.load_state_dict(state["engine"])
+        if self.global_sync is not None and state.get("warmup") is not None:
+            self.global_sync.load_state_dict(state["warmup"])
 
 
 def _parameters_reached(output) -> set[int]:

@@ -11,9 +11,11 @@ Ranks and groups
 
 Per batch b of an epoch of N batches (F = N - 1 is the last one), after the local optimizer step:
 
-1. every pending global synchronization whose receive batch is b is merged: its group's members
-   wait for the all-reduce and set ``p = (2*btw*p_local + n*avg) / (n + 2*btw)`` (n nodes, btw
-   the batches it was in flight), then broadcast the result inside their node;
+1. every pending global synchronization whose receive batch is b is merged: its carriers wait
+   for the all-reduce and the node gets ``p = (2*btw*p_local + n*avg) / (n + 2*btw)`` (n nodes,
+   btw the batches it was in flight): each carrier merges its shard and the node all-gathers
+   them where the node's ranks hold the same parameters (every batch since the last merge was
+   averaged inside the node), else the group's member gathers the sum, merges and broadcasts;
 2. if ``global_skip == 0`` (warmup and cooldown), b % global_skip == 0, or b == F, group
    ``b``'s turn starts a global synchronization: each member sends its parameters (and
    floating-point buffers); with ``batches_to_wait`` = 0, or on the last batch, it is completed
@@ -25,12 +27,25 @@ Per batch b of an epoch of N batches (F = N - 1 is the last one), after the loca
 What goes over the wire: every rank keeps ``ref``, the parameters after the last blocking
 synchronization (identical everywhere). A member sends ``w * (p - ref)`` in ``downcast_type``
 (``w`` = its node's share of the ranks) in chunks of ``sending_chunk_size`` elements, one
-non-blocking all-reduce (float32 accumulation) per chunk; ``avg = ref + sum``. So the weights a
-rank keeps are never rounded to bfloat16 (only the recent change is), and nodes of different sizes
-are weighted by their ranks: a blocking DASO step equals a blocking data-parallel step for SGD.
+non-blocking all-reduce (float32 accumulation) per chunk, carried in shards by the node's
+ranks (each computes its own where the node's ranks hold the same parameters, after a broadcast
+of the member's floating-point buffers; else the member scatters them); ``avg = ref + sum``.
+So the weights a rank keeps are never rounded to bfloat16 (only the recent change is), and
+nodes of different sizes are weighted by their ranks: a blocking DASO step equals a blocking
+data-parallel step for SGD.
+
+Warmup: with ``warmup_sync="gradients"`` (default) on several nodes, the warmup epochs average
+every batch's *gradients* over every rank (DataParallelMultiGPU's GradientSync over the whole
+communicator, ``downcast_type`` on the wire) instead of steps 1-3: with equal averages and equal
+optimizer states every rank takes the same step, so nothing else is sent (floating-point buffers
+are averaged after the step), and ``ref`` is taken when the warmup ends. Valid only while every
+rank holds the same parameters and optimizer state: from the start until the first batch that
+is not gradient-averaged; a warmup entered after that (``reset``) synchronizes parameters, as
+``warmup_sync="parameters"`` always does.
 
 Schedule between epochs (:meth:`DASO.epoch_loss_logic`, called with the epoch's training loss):
-epochs < ``warmup_epochs`` and the last ``cooldown_epochs`` synchronize every batch, blocking.
+epochs < ``warmup_epochs`` and the last ``cooldown_epochs`` synchronize every batch, blocking
+(the warmup as above).
 Entering the cycling phase sets global_skip = min(4, max_global_skips), local_skip = 1,
 batches_to_wait = 1. After that the loss (averaged over ranks) feeds a plateau detector
 (patience 2, relative threshold ``stability_level``); on a plateau with global_skip > 1 the skips
@@ -51,16 +66,20 @@ from mpi4py import MPI
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, Request, sanitize_comm
 from ..core.topology import Topology
-from ..engine.buckets import comm_buffer, pack, unpack
+from ..engine.buckets import comm_buffer, pack, pack_range, unpack
 from ..engine.codecs import Cast
 from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
+from ..engine.replicas import average_tensors
 from .wrapping import WrappedOptimizer
 
 __all__ = ["DASO", "PlateauDetector"]
 
 _DOWNCAST = (torch.bfloat16, torch.float16, torch.float32)
+# where a node's ranks hold the same parameters, each computes its own shard of a global
+# synchronization (False: always the member's scatter and broadcast; the tests compare both)
+_LOCAL_SHARDS = True
 
 
 class PlateauDetector:
@@ -132,7 +151,7 @@ class DASO(WrappedOptimizer):
                  max_global_skips: int = 8, sending_chunk_size: int = 10_000_000,
                  downcast_type: torch.dtype = torch.bfloat16, use_mpi_groups: bool = True,
                  skip_reduction_factor: int = 2, local_skip_factor: int = 4,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False, *, warmup_sync: str = "gradients") -> None:
         comm = sanitize_comm(comm)
         raise_together(_check_arguments(locals()), comm)
         agree_on({k: v for k, v in locals().items()
@@ -151,6 +170,7 @@ class DASO(WrappedOptimizer):
         self.skip_reduction_factor = skip_reduction_factor
         self.local_skip_factor = local_skip_factor
         self.verbose = verbose
+        self.warmup_sync = warmup_sync
         self.stability = PlateauDetector(patience=2, threshold=stability_level)
         self.topology = Topology(comm, cross_method="group" if use_mpi_groups else "split")
         self.groups = min(self.topology.local_sizes)
@@ -166,6 +186,18 @@ class DASO(WrappedOptimizer):
         self._pending: list[_Sync] = []
         self._merged: torch.Tensor | None = None  # the merge buffer, reused by every merge
         self._total: torch.Tensor | None = None   # the member's gathered sum, likewise
+        self._delta: torch.Tensor | None = None   # the member's change, likewise
+        self._free: list[torch.Tensor] = []       # a merged synchronization's shard buffer
+        # the ranks of this node hold the same parameters: every batch since the last merge
+        # was averaged inside the node (each rank then computes its own shard of a sync, with
+        # the member's buffers)
+        self._node_agrees = False
+        # every rank holds the same parameters, buffers and optimizer state (from set_model's
+        # broadcast until the warmup ends): the gradient warmup keeps them so
+        self._replicas_agree = False
+        # DataParallelMultiGPU's gradient synchronization over every rank, while the warmup
+        # averages gradients (None otherwise)
+        self.warmup_grads = None
         weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
@@ -201,13 +233,28 @@ class DASO(WrappedOptimizer):
     def set_model(self, model: torch.nn.Module) -> None:
         """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU)."""
         self.module = model
-        self._tensors = [p for p in model.parameters() if p.requires_grad] + \
-                        [b for b in model.buffers() if b.is_floating_point()]
+        self._buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+        self._tensors = [p for p in model.parameters() if p.requires_grad] + self._buffers
+        self._replicas_agree = self._node_agrees = True
         size = sum(t.numel() for t in self._tensors)
         device = self._tensors[0].device if self._tensors else torch.device("cpu")
         self._ref = comm_buffer(size, torch.float32, device)
         if self._tensors:
             pack(self._tensors, self._ref)
+
+    @property
+    def gradient_warmup(self) -> bool:
+        """Whether this batch is one of the warmup's gradient-averaged batches (module
+        docstring, "Warmup"): an epoch before ``warmup_epochs``, the replicas still equal
+        everywhere, and the wrapper's synchronization over every rank in place."""
+        return (self.warmup_grads is not None and self._replicas_agree
+                and self.epoch < self.warmup_epochs)
+
+    def plans_gradient_warmup(self) -> bool:
+        """Whether the model's wrapper should average the warmup's gradients over every rank
+        (and hand that synchronization to ``warmup_grads``)."""
+        return (self.warmup_sync == "gradients" and self._replicas_agree
+                and self.epoch < self.warmup_epochs and self.topology.num_nodes > 1)
 
     # -- the schedule --------------------------------------------------------------------------
 
@@ -270,8 +317,14 @@ class DASO(WrappedOptimizer):
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
+        if self.gradient_warmup:
+            self._gradient_warmup_step()
+            return
+        self._replicas_agree = False  # from here on, optimizer states may differ by node
         self._progress()
         self._local_step()
+        if not self.local_sync_now():  # this batch's gradients were this rank's own
+            self._node_agrees = False
         b, final = self.current_batch, self.last_batch - 1
         if self.trace is not None and self.local_sync_now():
             self.trace.append((self.epoch, b, "local"))
@@ -293,6 +346,27 @@ class DASO(WrappedOptimizer):
             self._send_mod = 0
         else:
             self.current_batch += 1
+
+    def _gradient_warmup_step(self) -> None:
+        """A warmup batch whose gradients DataParallelMultiGPU averaged over every rank: the
+        local step, the floating-point buffers averaged (the parameters need nothing: equal
+        averages and equal optimizer states give equal steps), and at the warmup's end ``ref``
+        taken from the parameters, from which the cycling phase's changes are measured."""
+        self._local_step()
+        self._node_agrees = True
+        if self.trace is not None:
+            self.trace.append((self.epoch, self.current_batch, "gradients"))
+        # BatchNorm's statistics, averaged as the parameter synchronization did
+        average_tensors([b for b in self.module.buffers() if b.is_floating_point()], self.comm)
+        if self.current_batch == self.last_batch - 1:
+            self.epoch += 1
+            self.current_batch = 0
+        else:
+            self.current_batch += 1
+        if self.epoch >= self.warmup_epochs:
+            self._replicas_agree = False
+            if self._tensors:
+                pack(self._tensors, self._ref)
 
     def _progress(self) -> None:
         """Advance the global synchronizations in flight: an exchange of several collectives
@@ -332,31 +406,60 @@ class DASO(WrappedOptimizer):
         return [n // carriers + (1 if i < n % carriers else 0) if i < carriers else 0
                 for i in range(self.topology.local_size)]
 
+    def _shard(self) -> tuple[int, int]:
+        """The elements of the parameter vector this rank carries across the nodes."""
+        counts = self._carried()
+        start = sum(counts[:self.topology.local_rank])
+        return start, start + counts[self.topology.local_rank]
+
+    def _members_buffers(self, group: int) -> None:
+        """Give the node's ranks the member's floating-point buffers (BatchNorm's statistics
+        are each rank's own even where its gradients are averaged inside the node)."""
+        if self._buffers:
+            flat = pack(self._buffers)
+            self.topology.node_comm.Bcast(flat, root=group)
+            unpack(flat, self._buffers)
+
+    def _payload(self, numel: int) -> torch.Tensor:
+        """A float32 buffer for a synchronization's shard: one a merged synchronization
+        returned, or a new one."""
+        for i, buf in enumerate(self._free):
+            if buf.numel() == numel and buf.device == self._ref.device:
+                return self._free.pop(i)
+        return comm_buffer(numel, torch.float32, self._ref.device)
+
     @torch.no_grad()
     def _send(self, group: int, batch: int, btw: int) -> _Sync:
-        """Start a global synchronization of group ``group``'s parameters: the member computes
-        the weighted change ``w * (p - ref)``, scatters it inside its node, and every local rank
-        that has a partner on every node carries its shard across the nodes (the node's link
-        carries the member's bytes once, in several flows at once)."""
+        """Start a global synchronization of group ``group``'s parameters: the weighted change
+        ``w * (p - ref)`` of the member's parameters, every local rank that has a partner on
+        every node carrying its shard across the nodes (the node's link carries the member's
+        bytes once, in several flows at once). Where the node's ranks hold the same parameters
+        (every batch since the last merge was averaged inside the node), each computes its shard
+        itself; otherwise the member computes the change and scatters it inside the node."""
         sync = _Sync(group, batch, batch + btw, btw)
         if self.trace is not None:
             self.trace.append((self.epoch, batch, "send", group, btw))
         topo = self.topology
         if not self._tensors:
             return sync
-        delta = None
-        if topo.local_rank == group:
-            delta = pack(self._tensors, comm_buffer(self._ref.numel(), torch.float32,
-                                                    self._ref.device))
-            delta.sub_(self._ref).mul_(topo.local_size / self.comm.size)
-        counts = self._carried()
-        if topo.local_size > 1:
-            shard = torch.empty(counts[topo.local_rank], dtype=torch.float32,
-                                device=self._ref.device)
+        weight = topo.local_size / self.comm.size
+        if topo.local_size == 1:
+            shard = pack(self._tensors, self._payload(self._ref.numel()))
+            shard.sub_(self._ref).mul_(weight)
+        elif self._node_agrees and _LOCAL_SHARDS:
+            self._members_buffers(group)
+            start, stop = self._shard()
+            shard = pack_range(self._tensors, start, stop, self._payload(stop - start))
+            shard.sub_(self._ref[start:stop]).mul_(weight)
+        else:
+            delta = None
+            if topo.local_rank == group:
+                delta = pack(self._tensors, self._buffer("_delta"))
+                delta.sub_(self._ref).mul_(weight)
+            counts = self._carried()
+            shard = self._payload(counts[topo.local_rank])
             topo.node_comm.Scatterv((delta, counts) if delta is not None else None, shard,
                                     root=group)
-        else:
-            shard = delta
         lane = self._cross_lane
         before = lane.reducer.bytes_sent
         # one node: the sum over nodes is this change itself, exact (nothing to send or round)
@@ -374,39 +477,54 @@ class DASO(WrappedOptimizer):
 
     @torch.no_grad()
     def _receive(self, sync: _Sync, blocking: bool) -> None:
-        """Merge a global synchronization: every carrier waits for its shard of the sum, the
-        group's member gathers them and merges (blocking: ``ref + sum``; else the stale-merge
-        formula of the module docstring), then broadcasts the result inside its node."""
+        """Merge a global synchronization: every carrier waits for its shard of the sum; the
+        merged value (blocking: ``ref + sum``; else the stale-merge formula of the module
+        docstring) is computed shard by shard and all-gathered inside the node where the
+        node's ranks hold the same parameters (or the merge is blocking, which does not read
+        them); otherwise the group's member gathers the sum, merges and broadcasts."""
         topo = self.topology
         if self.trace is not None:
             self.trace.append((self.epoch, self.current_batch,
                                "blocking" if blocking else "merge", sync.group))
         if not self._tensors:
             return
-        merged, total = self._buffer("_merged"), sync.payload
+        merged, part = self._buffer("_merged"), sync.payload
         for request in sync.requests:
             request.Wait()
         if self.link is not None:
             self.link.wait_until(sync.ready_at)
-        member = topo.local_rank == sync.group
-        if topo.local_size > 1:  # the sum's shards, gathered by the member
-            total = self._buffer("_total") if member else None
-            topo.node_comm.Gatherv(sync.payload, (total, self._carried()) if member else None,
-                                   root=sync.group)
-        if member:
-            if blocking:
-                torch.add(self._ref, total, out=merged)
-            else:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
-                n, weight = topo.num_nodes, 2.0 * sync.btw
-                avg = total.add_(self._ref)  # the sum is not needed any more
-                pack(self._tensors, merged)
-                merged.lerp_(avg, n / (n + weight))
-        topo.node_comm.Bcast(merged, root=sync.group)
-        if topo.local_size > 1:
-            self.bytes_node += merged.numel() * merged.element_size()
+        n, weight = topo.num_nodes, 2.0 * sync.btw
+        if topo.local_size > 1 and (blocking or self._node_agrees) and _LOCAL_SHARDS:
+            start, stop = self._shard()
+            part.add_(self._ref[start:stop])  # ref + sum: the average of this shard
+            if not blocking:  # (weight p + n avg) / (n + weight) = p + (avg - p) n / (n + weight)
+                self._members_buffers(sync.group)
+                mine = pack_range(self._tensors, start, stop, merged)
+                part.copy_(mine.lerp_(part, n / (n + weight)))
+            topo.node_comm.Allgatherv(part, (merged, self._carried()))
+            self.bytes_node += (merged.numel() - part.numel()) * merged.element_size()
+        else:
+            member = topo.local_rank == sync.group
+            total = part
+            if topo.local_size > 1:  # the sum's shards, gathered by the member
+                total = self._buffer("_total") if member else None
+                topo.node_comm.Gatherv(part, (total, self._carried()) if member else None,
+                                       root=sync.group)
+            if member:
+                if blocking:
+                    torch.add(self._ref, total, out=merged)
+                else:
+                    avg = total.add_(self._ref)  # the sum is not needed any more
+                    pack(self._tensors, merged)
+                    merged.lerp_(avg, n / (n + weight))
+            topo.node_comm.Bcast(merged, root=sync.group)
+            if topo.local_size > 1:
+                self.bytes_node += merged.numel() * merged.element_size()
         unpack(merged, self._tensors)
         if blocking:
             self._ref.copy_(merged)
+        self._node_agrees = True
+        self._free = [part]  # free for the next send (one in flight keeps its own)
 
     def _buffer(self, name: str) -> torch.Tensor:
         """A float32 buffer of the parameter vector's size, kept as attribute ``name`` and
@@ -429,7 +547,8 @@ class DASO(WrappedOptimizer):
             sync.requests = []
             pending.append({"group": sync.group, "start": sync.start,
                             "receive_at": sync.receive_at, "btw": sync.btw,
-                            "payload": sync.payload})
+                            "payload": sync.payload.clone() if sync.payload is not None
+                            else None})
         return {"pending": pending}
 
     def _load_engine_state(self, state: dict) -> None:
@@ -448,7 +567,9 @@ class DASO(WrappedOptimizer):
         state["daso"] = {"epoch": self.epoch, "current_batch": self.current_batch,
                          "global_skip": self.global_skip, "local_skip": self.local_skip,
                          "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
-                         "stability": self.stability.state_dict(), "ref": self._ref.clone()}
+                         "stability": self.stability.state_dict(), "ref": self._ref.clone(),
+                         "replicas_agree": self._replicas_agree,
+                         "node_agrees": self._node_agrees}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -462,6 +583,8 @@ class DASO(WrappedOptimizer):
         self.batches_to_wait, self._send_mod = daso["batches_to_wait"], daso["send_mod"]
         self.stability.load_state_dict(daso["stability"])
         self._ref.copy_(daso["ref"])
+        self._replicas_agree = bool(daso.get("replicas_agree", False))
+        self._node_agrees = bool(daso.get("node_agrees", False))
 
 
 def _complete_pending(pending: list) -> None:
@@ -500,6 +623,9 @@ def _check_arguments(args: dict) -> Exception | None:
     if args["downcast_type"] not in _DOWNCAST:
         return ValueError(f"downcast_type must be one of {list(_DOWNCAST)}, got "
                           f"{args['downcast_type']!r}")
+    if args["warmup_sync"] not in ("gradients", "parameters"):
+        return ValueError(f"warmup_sync must be 'gradients' or 'parameters', got "
+                          f"{args['warmup_sync']!r}")
     scheduler = args["scheduler"]
     if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         return TypeError("scheduler must be a torch.optim.lr_scheduler scheduler object, got "
