@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> float:
                    help="first epochs with a global synchronization every batch (default 2)")
     p.add_argument("--cooldown", type=int, default=2,
                    help="last epochs with a global synchronization every batch (default 2)")
+    p.add_argument("--warmup-sync", choices=("gradients", "parameters"), default="gradients",
+                   help="how the warmup synchronizes on several nodes: average the gradients "
+                        "over every rank, or the parameters after each step as Heat does "
+                        "(default gradients)")
     p.add_argument("--batch-size", type=int, default=16,
                    help="samples per rank and step (default 16)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> float:
     net = mlp([64, 128, 64, 10], args.seed).to(device)
     local = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     daso = DASO(local, total_epochs=args.epochs, comm=comm, warmup_epochs=args.warmup,
-                cooldown_epochs=args.cooldown, verbose=args.verbose)
+                cooldown_epochs=args.cooldown, verbose=args.verbose,
+                warmup_sync=args.warmup_sync)
     model = DataParallelMultiGPU(net, daso)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=args.batch_size, seed=args.seed)
     daso.last_batch = len(loader)
