@@ -356,11 +356,13 @@ def _daso(net, comm, lr, epochs: int = 10):
                   grad_syncs=lambda: [model.grad_sync] if model.grad_sync is not None else [],
                   bytes_by_label=lambda: {
                       "node gradients": model.grad_sync.bytes_sent if model.grad_sync else 0,
-                      "node broadcast": daso.bytes_node, "cross-node": daso.bytes_cross})
+                      "node broadcast": daso.bytes_node, "cross-node": daso.bytes_cross,
+                      "warmup gradients": daso.bytes_warmup})
 
 
 class _DasoBytes:
-    """DASO's payload: node-local gradient averaging, cross-node sends, node broadcasts."""
+    """DASO's payload: node-local gradient averaging, cross-node sends, node broadcasts, the
+    warmup's gradient all-reduces."""
 
     def __init__(self, daso, model) -> None:
         self.daso = daso
@@ -369,7 +371,7 @@ class _DasoBytes:
     @property
     def bytes_sent(self) -> int:
         node = self.model.grad_sync.bytes_sent if self.model.grad_sync is not None else 0
-        return self.daso.bytes_cross + self.daso.bytes_node + node
+        return self.daso.bytes_cross + self.daso.bytes_node + self.daso.bytes_warmup + node
 
 
 class _DistOptBytes:

@@ -221,6 +221,7 @@ def test_the_warmup_averages_gradients_as_data_parallel_does(comm, nodes, downca
     _identical_everywhere(comm, net)
     if several:
         assert daso.bytes_cross == 0 and {e for _, _, e, *_ in daso.trace} == {"gradients"}
+        assert daso.bytes_warmup == dp.grad_sync.bytes_sent > 0
         assert not daso.gradient_warmup and daso.epoch == 2
         now = torch.cat([t.detach().reshape(-1) for t in daso._tensors])
         assert torch.equal(daso._ref, now)  # the cycling phase's reference
@@ -290,6 +291,35 @@ def test_shards_computed_in_place_equal_the_members_scatter(comm, nodes, monkeyp
         return _flat(net)
 
     assert torch.equal(run(True), run(False))
+
+
+def test_a_simulated_link_delays_the_warmup_without_changing_it(comm, nodes):
+    """``bench daso --slow-link`` puts the warmup's half-precision all-reduces through
+    ``SlowLinkAllReduce``: the same parameters as without it, and each step waits at least the
+    simulated transfer of its payload."""
+    import time
+
+    from heatlike.engine.links import SimulatedLink, SlowLinkAllReduce
+
+    def run(link):
+        net = Net(seed=10)
+        daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                    warmup_epochs=1, cooldown_epochs=1)
+        model = DataParallelMultiGPU(net, daso)
+        if link is not None and model.global_sync is not None:
+            model.global_sync.set_reducer(SlowLinkAllReduce(link, comm))
+        start = time.perf_counter()
+        _train(daso, model, 1, 3)
+        return (_flat(net), time.perf_counter() - start, daso.bytes_warmup,
+                daso.topology.num_nodes)
+
+    plain, _, _, _ = run(None)
+    link = SimulatedLink(0.01, 1e6)
+    slow, seconds, payload, nodes = run(link)
+    assert torch.equal(plain, slow)
+    assert (payload > 0) == (nodes > 1)
+    if nodes > 1:  # this rank's payload, and the latency of every step
+        assert seconds >= payload / 1e6 + 3 * 0.01 - 1e-3
 
 
 def test_stale_merge_formula(comm, nodes):

@@ -53,7 +53,7 @@ class SlowLinkAllReduce(AllReduce):
         super().__init__(*args, **kwargs)
         self.link = link
 
-    def combine(self, t: torch.Tensor):
+    def combine(self, t: torch.Tensor, channel=None):
         ready = self.link.ready_at(t.numel() * t.element_size())
-        yield from super().combine(t)
+        yield from super().combine(t, channel=channel)
         self.link.wait_until(ready)

@@ -201,6 +201,7 @@ class DASO(WrappedOptimizer):
         weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
+        self.bytes_warmup = 0  # payload bytes of the warmup's gradient all-reduces (this rank)
         self.reset()
 
     # -- Heat's methods ------------------------------------------------------------------------
@@ -354,6 +355,7 @@ class DASO(WrappedOptimizer):
         taken from the parameters, from which the cycling phase's changes are measured."""
         self._local_step()
         self._node_agrees = True
+        self.bytes_warmup = self.warmup_grads.bytes_sent
         if self.trace is not None:
             self.trace.append((self.epoch, self.current_batch, "gradients"))
         # BatchNorm's statistics, averaged as the parameter synchronization did
