@@ -322,6 +322,45 @@ def test_a_simulated_link_delays_the_warmup_without_changing_it(comm, nodes):
         assert seconds >= payload / 1e6 + 3 * 0.01 - 1e-3
 
 
+def test_a_run_stopped_in_the_gradient_warmup_resumes_exactly(comm, nodes, tmp_path):
+    """A checkpoint taken in the middle of the warmup (its gradient synchronization's state
+    included) resumes bit for bit through the rest of the warmup, the hand-over to cycling, a
+    merge and the final blocking synchronization."""
+    from heatlike.utils import checkpoint
+
+    path = type(tmp_path)(comm.handle.bcast(str(tmp_path / "warm.ckpt"), root=0))
+    batches, stop, total = 3, 2, 8
+
+    def build(seed):
+        torch.manual_seed(seed)
+        net = Net(seed=seed, bn=True)
+        daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), total_epochs=3,
+                    comm=comm, warmup_epochs=1, cooldown_epochs=1)
+        daso.last_batch = batches
+        return net, daso, DataParallelMultiGPU(net, daso)
+
+    def steps(daso, model, numbers, save=False):
+        for step in numbers:
+            x, y = _data(step, B, seed=comm.rank + 1)
+            daso.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            daso.step()
+            if (step + 1) % batches == 0:
+                daso.epoch_loss_logic(1.0 / (step + 1), loss_globally_averaged=True)
+            if save and step + 1 == stop:
+                checkpoint.save(path, model, daso, step=stop)
+
+    net, daso, model = build(0)
+    steps(daso, model, range(total), save=True)
+    straight = _flat(net)
+    net, daso, model = build(1)
+    assert checkpoint.load(path, model, daso)["step"] == stop
+    assert daso.gradient_warmup == (daso.topology.num_nodes > 1)
+    steps(daso, model, range(stop, total))
+    assert torch.equal(_flat(net), straight)
+    _identical_everywhere(comm, net)
+
+
 def test_stale_merge_formula(comm, nodes):
     """A sync sent at batch 0 and merged at batch 1 (btw = 1) gives every rank
     (2*btw*p_local + n*avg) / (n + 2*btw), avg weighted by node size, then the node's value."""
