@@ -277,7 +277,9 @@ class DataParallelMultiGPU(torch.nn.Module):
     Broadcasts rank 0's parameters and buffers to every rank, averages gradients inside each node
     (the topology's node communicator, the engine's bucketed GradientSync) on the batches DASO's
     schedule asks for, and hands the module to the optimizer, which synchronizes parameters
-    between nodes.
+    between nodes. During DASO's gradient warmup (``DASO.gradient_warmup``) a second
+    GradientSync averages the gradients over the whole communicator in DASO's wire type
+    instead; it is dropped when the warmup ends.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer: DASO,

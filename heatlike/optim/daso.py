@@ -359,7 +359,7 @@ class DASO(WrappedOptimizer):
         if self.trace is not None:
             self.trace.append((self.epoch, self.current_batch, "gradients"))
         # BatchNorm's statistics, averaged as the parameter synchronization did
-        average_tensors([b for b in self.module.buffers() if b.is_floating_point()], self.comm)
+        average_tensors(self._buffers, self.comm)
         if self.current_batch == self.last_batch - 1:
             self.epoch += 1
             self.current_batch = 0
