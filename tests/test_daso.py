@@ -22,6 +22,28 @@ ROOT = Path(__file__).resolve().parent.parent
 B = 4
 
 
+@pytest.fixture(autouse=True)
+def _closed_when_the_test_ends(monkeypatch):
+    """Every DASO and DataParallelMultiGPU a test builds is closed when it ends (collective: all
+    ranks tear down alike), freeing its communicators: a dropped one cannot free them, and MPI
+    has room for a couple of thousand per process."""
+    made = []
+
+    def recorded(cls):
+        build = cls.__init__
+
+        def init(self, *args, **kwargs):
+            build(self, *args, **kwargs)
+            made.append(self)
+        monkeypatch.setattr(cls, "__init__", init)
+
+    recorded(DASO)
+    recorded(DataParallelMultiGPU)
+    yield
+    for obj in reversed(made):
+        obj.close()
+
+
 @pytest.fixture(params=[1, 2], ids=["one-rank-per-node", "two-ranks-per-node"])
 def nodes(request, monkeypatch):
     """Emulated nodes: every rank alone, or nodes of 2 ranks (4 ranks: 2+2; 3 ranks: 2+1)."""
@@ -271,6 +293,21 @@ def test_a_warmup_resumed_with_replicas_no_longer_equal_synchronizes_parameters(
     assert {e for _, _, e, *_ in daso.trace} <= {"local", "send", "blocking"}
     state = daso.state_dict()
     assert state["daso"]["replicas_agree"] is False
+    # that state loaded into a new run, still in its warmup: its first step synchronizes
+    # parameters and closes the gradient synchronization, freeing its communicators
+    net2 = Net(seed=8)
+    daso2 = DASO(torch.optim.SGD(net2.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                 warmup_epochs=1, cooldown_epochs=0)
+    model2 = DataParallelMultiGPU(net2, daso2)
+    warm = model2.global_sync
+    assert (warm is not None) == (daso2.topology.num_nodes > 1)
+    daso2.load_state_dict(state)
+    daso2.trace = []
+    _train(daso2, model2, 1, 3, check=lambda e: _identical_everywhere(comm, net2))
+    assert model2.global_sync is None and daso2.warmup_grads is None
+    assert "gradients" not in {e for _, _, e, *_ in daso2.trace}
+    if warm is not None:
+        assert warm.lane.channel is None and not warm._hooks
 
 
 @pytest.mark.parametrize("bn", [False, True], ids=["mlp", "batchnorm"])

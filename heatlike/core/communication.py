@@ -726,10 +726,14 @@ class MPICommunication:
 
     def Free(self) -> None:
         """Free a communicator this wrapper owns (idempotent; collective, like MPI_Comm_free:
-        the board heatlike keeps for it, if any, is freed too)."""
+        the board heatlike keeps for it, if any, and the node-local and cross-node communicators
+        of its cached topology, are freed too)."""
         if self._finalizer is None:
             raise ValueError("this communicator was not created by heatlike and is not freed "
                              "by it")
+        topology = self.__dict__.pop("_topology", None)  # get_topology's, derived from this one
+        if topology is not None and self._finalizer.alive:
+            topology.free()
         self._release_board()
         self._finalizer()
 

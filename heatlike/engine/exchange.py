@@ -184,6 +184,15 @@ class Lane:
         self.channel = reducer.open_channel() if self.private else None
         self._last = None
 
+    def close(self) -> None:
+        """Collective: free the private channel's communicators (after the last exchange has
+        completed; a closed lane starts nothing more)."""
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return
+        for comm in (channel.values() if isinstance(channel, dict) else [channel]):
+            comm.Free()
+
     def start(self, values: torch.Tensor, ctx: Context,
               flags: torch.Tensor | None = None) -> Request:
         op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel)

@@ -490,3 +490,14 @@ class GradientSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def close(self) -> None:
+        """Collective, between steps: remove the hooks and free the private channel's
+        communicators (rather than leave them to the garbage collector, which cannot free
+        communicators safely; see heatlike.core.communication). A cycle in progress is completed
+        first; gradients held back by ``enabled = False`` are dropped. The synchronizer is
+        unusable afterwards."""
+        if self.active:
+            self.synchronize()
+        self.remove_hooks()
+        self.lane.close()

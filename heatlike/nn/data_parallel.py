@@ -242,6 +242,14 @@ class DataParallel(torch.nn.Module):
         finally:
             self.grad_sync.enabled = old
 
+    def close(self) -> None:
+        """Collective: apply pending updates and free the communicators of the gradient
+        synchronization (its private channel), for programs that build many models in one
+        process (MPI has room for a couple of thousand communicators). The model does not
+        synchronize afterwards."""
+        self.flush()
+        self.grad_sync.close()
+
     def flush(self) -> None:
         """Apply pending (non-blocking) parameter updates now."""
         if self.optimizer is not None:
@@ -329,9 +337,8 @@ class DataParallelMultiGPU(torch.nn.Module):
     def _before_forward(self, _module, _args) -> None:
         self.optimizer._progress()
         warmup = self.optimizer.gradient_warmup
-        if self.global_sync is not None and not warmup and not self.optimizer._replicas_agree:
-            self.global_sync.remove_hooks()  # the warmup is over, for good
-            self.global_sync = self.optimizer.warmup_grads = None
+        if self.global_sync is not None and self.optimizer.warmup_grads is None:
+            self.global_sync = None  # DASO closed it when the warmup ended
         if self.global_sync is not None:
             self.global_sync.enabled = warmup
         if self.grad_sync is not None:
@@ -348,6 +355,15 @@ class DataParallelMultiGPU(torch.nn.Module):
 
     def _global_backward_end(self) -> None:
         self.global_sync.synchronize()
+
+    def close(self) -> None:
+        """Collective: free the communicators of this wrapper's gradient synchronization and of
+        its DASO optimizer (:meth:`heatlike.optim.DASO.close`), for programs that build many.
+        Neither trains afterwards."""
+        if self.grad_sync is not None:
+            self.grad_sync.close()
+        self.global_sync = None
+        self.optimizer.close()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -202,6 +202,7 @@ class DASO(WrappedOptimizer):
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
         self.bytes_warmup = 0  # payload bytes of the warmup's gradient all-reduces (this rank)
+        self.closed = False
         self.reset()
 
     # -- Heat's methods ------------------------------------------------------------------------
@@ -312,6 +313,8 @@ class DASO(WrappedOptimizer):
     def step(self) -> None:
         """Local optimizer step, then the synchronizations this batch calls for (module
         docstring). Collective over the communicator."""
+        if self.closed:
+            raise RuntimeError("this DASO was closed (close()): build a new one")
         if self.module is None:
             raise RuntimeError("DASO has no model: wrap it with "
                                "heatlike.nn.DataParallelMultiGPU(module, daso)")
@@ -321,6 +324,9 @@ class DASO(WrappedOptimizer):
         if self.gradient_warmup:
             self._gradient_warmup_step()
             return
+        if self.warmup_grads is not None:  # a gradient warmup that cannot resume (a checkpoint
+            self.warmup_grads.close()      # of a later phase was loaded): collective, as step()
+            self.warmup_grads = None
         self._replicas_agree = False  # from here on, optimizer states may differ by node
         self._progress()
         self._local_step()
@@ -365,10 +371,12 @@ class DASO(WrappedOptimizer):
             self.current_batch = 0
         else:
             self.current_batch += 1
-        if self.epoch >= self.warmup_epochs:
+        if self.epoch >= self.warmup_epochs:  # the warmup is over, for good
             self._replicas_agree = False
             if self._tensors:
                 pack(self._tensors, self._ref)
+            self.warmup_grads.close()  # collective: every rank is in this step
+            self.warmup_grads = None
 
     def _progress(self) -> None:
         """Advance the global synchronizations in flight: an exchange of several collectives
@@ -527,6 +535,24 @@ class DASO(WrappedOptimizer):
             self._ref.copy_(merged)
         self._node_agrees = True
         self._free = [part]  # free for the next send (one in flight keeps its own)
+
+    def close(self) -> None:
+        """Collective: complete the synchronizations in flight and free the communicators this
+        DASO created (its node and cross-node communicators, its cross-node channel, the
+        warmup's gradient synchronization). MPI has room for a couple of thousand communicators
+        per process, and a dropped DASO cannot free them safely from the garbage collector: a
+        program that builds many (a sweep) closes each when done. Idempotent; ``step`` raises
+        afterwards. ``DataParallelMultiGPU.close`` calls it."""
+        if self.closed:
+            return
+        self.closed = True
+        _complete_pending(self._pending)
+        self._pending.clear()
+        if self.warmup_grads is not None:
+            self.warmup_grads.close()
+            self.warmup_grads = None
+        self._cross_lane.close()
+        self.topology.free()
 
     def _buffer(self, name: str) -> torch.Tensor:
         """A float32 buffer of the parameter vector's size, kept as attribute ``name`` and
