@@ -73,6 +73,14 @@ class Aggregation:
         self._reducer_ = self._make_reducer()
         self._lane = Lane(self.codec, self._reducer_)
 
+    def close(self) -> None:
+        """Collective: free the communicators of every plan's private channel and this
+        aggregation's own, for programs that build many in one process."""
+        for plan in self._plans.values():
+            plan.close()
+        self._plans.clear()
+        self._lane.close()
+
     def _make_reducer(self) -> Reducer:
         """The reducer every call reconfigures (subclasses: hierarchical, gossip)."""
         return AllReduce(self.comm)
@@ -210,6 +218,10 @@ class DecentralizedAggregation(Aggregation):
 
     def _make_reducer(self) -> Reducer:
         return Gossip(self.graph)
+
+    def close(self) -> None:
+        super().close()
+        self.graph.free()
 
     def _reducer(self, op: str, denom) -> Reducer:
         if op not in (AVG_WORLD, "avg"):

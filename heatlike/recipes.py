@@ -163,6 +163,14 @@ class Runner:
         """Apply pending updates (non-blocking modes) so nothing is left in flight."""
         self.eval_model()
 
+    def close(self) -> None:
+        """Collective: free the communicators of the model's wrapper and of the optimizer
+        (their ``close()``), for programs that train many in one process."""
+        for owner in (self.model, self.optimizer):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()
+
     def bytes_sent(self) -> int:
         return self._sync.bytes_sent
 

@@ -66,6 +66,10 @@ class ParameterSync:
             unpack(bucket.buffer, [t.data for t in bucket.params])
         self._steps += 1
 
+    def close(self) -> None:
+        """Collective: free the private channel's communicators (unusable afterwards)."""
+        self.lane.close()
+
     def state_dict(self) -> dict:
         """The exchange counter (seeds of randomized codecs) and the codec's state."""
         return {"steps": self._steps, "codec": self.codec.state_dict()}

@@ -124,6 +124,11 @@ class _UpdateSync(torch.optim.Optimizer):
         super().add_param_group(group)
         self._frozen += frozen
 
+    def close(self) -> None:
+        """Collective: free the communicators of the gradient synchronization's private
+        channel, for programs that build many optimizers in one process."""
+        self.sync.close()
+
     def _synced(self):
         """(group, parameter) for every synchronized parameter that has a gradient."""
         unsynchronized_grads(self._frozen, type(self).__name__)

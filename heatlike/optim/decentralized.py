@@ -80,6 +80,7 @@ class DecentralizedSGD(WrappedOptimizer):
         if error is None:
             codec, error = codec_error(codec)
         raise_together(error, comm)
+        self._owns_graph = graph is None
         if graph is None:
             graph = NeighborGraph.ring(comm, weights) if neighbors is None else \
                 NeighborGraph(comm, neighbors, weights)
@@ -120,6 +121,13 @@ class DecentralizedSGD(WrappedOptimizer):
         track(tracker, "agg", sent - self._bytes_reported, "Gossip")
         self._bytes_reported = sent
         return loss
+
+    def close(self) -> None:
+        """Collective: free the gossip channel's communicators and the graph's (when this
+        optimizer built the graph), for programs that build many optimizers in one process."""
+        super().close()
+        if self._owns_graph:
+            self.graph.free()
 
     def _engine_state(self) -> dict:
         return self.sync.state_dict()

@@ -107,6 +107,9 @@ class DistOpt(WrappedOptimizer):
 
     # -- low-level communication -----------------------------------------------------------------
 
+    def _synchronizers(self) -> list:
+        return [*self._syncs.values(), *self._partitions.values(), *self._lanes.values()]
+
     def _lane(self, kind: str, **config) -> Lane:
         """The lane of one kind of low-level call (created once; collective)."""
         key = (kind, tuple(sorted(config.items())))

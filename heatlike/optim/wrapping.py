@@ -80,6 +80,19 @@ class WrappedOptimizer(torch.optim.Optimizer):
                             f"heatlike's {type(optimizer).__name__}, which synchronizes itself")
         self.__dict__["_local_optimizer"] = optimizer
 
+    def close(self) -> None:
+        """Collective: free the communicators of this optimizer's synchronizers (their private
+        channels), for programs that build many optimizers in one process: MPI has room for a
+        couple of thousand communicators, and a dropped optimizer cannot free them safely. It
+        does not synchronize afterwards."""
+        for synchronizer in self._synchronizers():
+            synchronizer.close()
+
+    def _synchronizers(self) -> list:
+        """What :meth:`close` closes (default: the ``sync`` attribute, if any)."""
+        sync = self.__dict__.get("sync")
+        return [sync] if sync is not None else []
+
     def _local(self) -> torch.optim.Optimizer:
         local = self.__dict__.get("_local_optimizer")
         if local is None:
