@@ -149,6 +149,11 @@ def test_closed_models_leave_no_communicator_behind(comm, monkeypatch, nodes):
         if not i % 2:
             with pytest.raises(RuntimeError, match="closed"):
                 opt.step()
+        elif i == 1:  # DataParallel: a training forward raises; evaluation still works
+            with pytest.raises(RuntimeError, match="closed"):
+                model(torch.randn(4, 5))
+            model.eval()
+            assert model(torch.randn(4, 5)).shape == (4, 3)
 
     for i in range(4):  # the library allocates some objects once, on first use of a call
         sweep_point(i)
@@ -168,7 +173,8 @@ def test_closed_models_leave_no_communicator_behind(comm, monkeypatch, nodes):
 def test_every_closed_preset_leaves_no_communicator_behind(comm, monkeypatch):
     """Every algorithm of heatlike.recipes, built, trained two steps and closed
     (``Runner.close``: the model's and the optimizer's ``close()``) on two emulated nodes, five
-    times over, leaves no communicator behind. (Dropped without it, most held 3.)"""
+    times over, leaves no communicator behind (dropped without it, most held 3); a closed one
+    raises instead of training unsynchronized."""
     from heatlike import recipes
 
     monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
@@ -186,6 +192,9 @@ def test_every_closed_preset_leaves_no_communicator_behind(comm, monkeypatch):
                                                                                generator=g))
         runner.finish()
         runner.close()
+        if seed == 0:  # a closed model or optimizer refuses to train, on every rank
+            with pytest.raises(RuntimeError, match="closed"):
+                runner.train_step(torch.randn(4, 64), torch.randint(0, 10, (4,)))
 
     for name in names:  # the library allocates some objects once, on first use of a call
         build_train_close(name, 0)

@@ -195,6 +195,8 @@ class Lane:
 
     def start(self, values: torch.Tensor, ctx: Context,
               flags: torch.Tensor | None = None) -> Request:
+        if self.private and self.channel is None:
+            raise RuntimeError("this lane was closed (close()): it exchanges nothing more")
         op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel)
         if not self.private:
             return Request(op)

@@ -136,6 +136,7 @@ class GradientSync:
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
         self.active = False
+        self.closed = False
         self.enabled = True
         self.unsynced = False  # gradients were produced under no_sync since the last sync
         self._callback_queued = False
@@ -320,9 +321,15 @@ class GradientSync:
         if self.on_backward_end is not None:
             self.on_backward_end()
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this gradient synchronization was closed (close()): its model "
+                               "or optimizer no longer synchronizes; build a new one")
+
     def launch_all(self) -> None:
         """Fill in every parameter that has not reported and launch every bucket (collective:
         all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
+        self._check_open()
         if self.passthrough:
             return
         self._begin()
@@ -354,6 +361,7 @@ class GradientSync:
         """Called once per optimizer step on every rank: a rank that ran no synchronizing backward
         since the last step (no data, a loss without parameters, only ``no_sync`` passes) launches
         its buckets now, so ranks that did are not left waiting for it."""
+        self._check_open()
         if not self.seen_backward or self.unsynced:
             self.launch_all()
         self.seen_backward = False
@@ -420,6 +428,7 @@ class GradientSync:
 
     def synchronize(self) -> None:
         """Launch what is left, wait for every bucket and write all averages into ``.grad``."""
+        self._check_open()
         if not self.active and not self.unsynced:
             return
         self.launch_all()
@@ -501,3 +510,4 @@ class GradientSync:
             self.synchronize()
         self.remove_hooks()
         self.lane.close()
+        self.closed = True

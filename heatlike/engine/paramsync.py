@@ -43,6 +43,7 @@ class ParameterSync:
         self.seed = seed
         self._steps = 0
         self.lane = Lane(self.codec, self.reducer)
+        self.closed = False
 
     @property
     def bytes_sent(self) -> int:
@@ -52,6 +53,9 @@ class ParameterSync:
     def synchronize(self, buckets: Sequence[int] | None = None) -> None:
         """Collective: average (mix) the tensors in place (only those of ``buckets``, if
         given)."""
+        if self.closed:
+            raise RuntimeError("this parameter synchronization was closed (close()): its "
+                               "optimizer no longer synchronizes; build a new one")
         chosen = self.buckets if buckets is None else [self.buckets[b] for b in buckets]
         requests = []
         for bucket in chosen:
@@ -69,6 +73,7 @@ class ParameterSync:
     def close(self) -> None:
         """Collective: free the private channel's communicators (unusable afterwards)."""
         self.lane.close()
+        self.closed = True
 
     def state_dict(self) -> dict:
         """The exchange counter (seeds of randomized codecs) and the codec's state."""

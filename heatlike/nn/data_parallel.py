@@ -182,6 +182,9 @@ class DataParallel(torch.nn.Module):
             self.grad_sync.synchronize()
 
     def _before_forward(self, _module, _args) -> None:
+        if self.grad_sync.closed and self.training and torch.is_grad_enabled():
+            raise RuntimeError("this DataParallel was closed (close()): it no longer averages "
+                               "gradients; build a new one to train")
         if self._join is not None and self.training:
             self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled)
         if self.check_finite and self.training:
@@ -245,8 +248,8 @@ class DataParallel(torch.nn.Module):
     def close(self) -> None:
         """Collective: apply pending updates and free the communicators of the gradient
         synchronization (its private channel), for programs that build many models in one
-        process (MPI has room for a couple of thousand communicators). The model does not
-        synchronize afterwards."""
+        process (MPI has room for a couple of thousand communicators). A training forward pass
+        afterwards raises RuntimeError (it would not synchronize); evaluation still works."""
         self.flush()
         self.grad_sync.close()
 
@@ -359,7 +362,7 @@ class DataParallelMultiGPU(torch.nn.Module):
     def close(self) -> None:
         """Collective: free the communicators of this wrapper's gradient synchronization and of
         its DASO optimizer (:meth:`heatlike.optim.DASO.close`), for programs that build many.
-        Neither trains afterwards."""
+        Training afterwards raises RuntimeError."""
         if self.grad_sync is not None:
             self.grad_sync.close()
         self.global_sync = None

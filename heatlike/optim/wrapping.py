@@ -83,8 +83,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Collective: free the communicators of this optimizer's synchronizers (their private
         channels), for programs that build many optimizers in one process: MPI has room for a
-        couple of thousand communicators, and a dropped optimizer cannot free them safely. It
-        does not synchronize afterwards."""
+        couple of thousand communicators, and a dropped optimizer cannot free them safely. A step
+        afterwards raises RuntimeError (it would not synchronize)."""
         for synchronizer in self._synchronizers():
             synchronizer.close()
 
