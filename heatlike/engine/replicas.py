@@ -82,13 +82,21 @@ def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = No
     params = [p.data for p in module.parameters()]
     floats = [b for b in module.buffers() if b.is_floating_point()]
     others = [b for b in module.buffers() if not b.is_floating_point()]
-    to_broadcast = params + others + (floats if buffers_op == "broadcast" else [])
-    for tensors in _by_dtype(to_broadcast).values():
-        flat = pack(tensors)
-        comm.Bcast(flat, root=root)
-        unpack(flat, tensors)
+    broadcast_tensors(params + others + (floats if buffers_op == "broadcast" else []), comm,
+                      root)
     if buffers_op == "average":
         average_tensors(floats, comm)
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
+                      root: int = 0) -> None:
+    """Collective: replace every tensor of ``tensors`` by ``root``'s, one broadcast per dtype
+    and device."""
+    for group in _by_dtype([t for t in tensors if t.numel()]).values():
+        flat = pack(group)
+        comm.Bcast(flat, root=root)
+        unpack(flat, group)
 
 
 @torch.no_grad()

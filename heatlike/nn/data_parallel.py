@@ -23,13 +23,12 @@ import torch
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..engine.autotune import autotune
-from ..engine.buckets import pack, unpack
 from ..engine.codecs import Cast, Codec, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.replicas import (
-    _by_dtype,
     average_tensors,
     broadcast_module,
+    broadcast_tensors,
     check_replicas,
     no_trainable_parameters,
     verify_replicas,
@@ -215,10 +214,7 @@ class DataParallel(torch.nn.Module):
         if not buffers:
             return
         if self.sync_buffers == "broadcast":
-            for tensors in _by_dtype(buffers).values():
-                flat = pack(tensors)
-                self.comm.Bcast(flat, root=self._buffer_root)
-                unpack(flat, tensors)
+            broadcast_tensors(buffers, self.comm, self._buffer_root)
         else:
             average_tensors([b for b in buffers if b.is_floating_point()], self.comm)
 
@@ -322,8 +318,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         self.global_sync = None
         if optimizer.plans_gradient_warmup():
             codec = Cast(optimizer.cast_dtype) if optimizer.cast_dtype != torch.float32 else None
-            self.global_sync = GradientSync(list(module.parameters()), comm, bucket_cap_mb,
-                                            first_bucket_mb, codec=codec,
+            self.global_sync = GradientSync(list(module.parameters()), optimizer.comm,
+                                            bucket_cap_mb, first_bucket_mb, codec=codec,
                                             on_backward_end=self._global_backward_end)
             optimizer.warmup_grads = self.global_sync
         self._handle = module.register_forward_pre_hook(WrapperHook(self._before_forward))

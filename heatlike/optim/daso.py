@@ -71,7 +71,7 @@ from ..engine.codecs import Cast
 from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
-from ..engine.replicas import average_tensors
+from ..engine.replicas import average_tensors, broadcast_tensors
 from .wrapping import WrappedOptimizer
 
 __all__ = ["DASO", "PlateauDetector"]
@@ -425,10 +425,7 @@ class DASO(WrappedOptimizer):
     def _members_buffers(self, group: int) -> None:
         """Give the node's ranks the member's floating-point buffers (BatchNorm's statistics
         are each rank's own even where its gradients are averaged inside the node)."""
-        if self._buffers:
-            flat = pack(self._buffers)
-            self.topology.node_comm.Bcast(flat, root=group)
-            unpack(flat, self._buffers)
+        broadcast_tensors(self._buffers, self.topology.node_comm, group)
 
     def _payload(self, numel: int) -> torch.Tensor:
         """A float32 buffer for a synchronization's shard: one a merged synchronization
