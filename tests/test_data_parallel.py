@@ -220,6 +220,45 @@ def test_without_optimizer_grads_are_averaged_after_backward(comm):
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
 
 
+def test_the_division_is_folded_into_packing(comm):
+    """With no codec each gradient is divided by P as it is packed (copied, or in place when
+    ``.grad`` is already the bucket view) and the all-reduce only sums: ``.grad`` is bit for bit
+    the MPI sum of the ``g_r / P`` packed the same way. A codec keeps dividing after the sum."""
+    P = comm.size
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    plain = copy.deepcopy(local)
+    model = DataParallel(local, comm, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    sync = model.grad_sync
+    twin = dict(zip(map(id, local.parameters()), plain.parameters()))
+    for step, set_to_none in enumerate([True, True, False, False]):
+        x, y = _data(100 * comm.rank + step, B)
+        for m in (local, plain):
+            m.zero_grad(set_to_none=set_to_none)
+        nn.functional.cross_entropy(plain(x), y).backward()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if sync.passthrough:  # one rank: .grad is the local gradient, untouched
+            assert all(torch.equal(p.grad, twin[id(p)].grad) for p in local.parameters())
+            continue
+        assert sync._fold == P
+        for bucket in sync.buckets:
+            packed = torch.cat([twin[id(p)].grad.reshape(-1) / P for p in bucket.params] +
+                               [torch.ones(len(bucket.params))])
+            comm.Iallreduce(hl.MPI.IN_PLACE, packed, hl.MPI.SUM).Wait()
+            for p, offset in zip(bucket.params, bucket.offsets):
+                expected = packed[offset:offset + p.numel()].view_as(p)
+                assert torch.equal(p.grad, expected), f"step {step}"
+        if not set_to_none:  # accumulated in place into the bucket views
+            views = {v.data_ptr() for b in sync.buckets for v in b.views}
+            assert all(p.grad.data_ptr() in views for p in local.parameters())
+    bf16 = DataParallel(copy.deepcopy(plain), comm, codec="bf16")
+    x, y = _data(comm.rank, B)
+    nn.functional.cross_entropy(bf16(x), y).backward()
+    assert bf16.grad_sync._fold is None
+    bf16.close()
+    model.close()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 def test_rank_without_backward_does_not_hang(comm, blocking):

@@ -101,7 +101,7 @@ CODEC_CLOCK = CodecClock()
 
 
 def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
-             flags: torch.Tensor | None = None, channel=None) -> Operation:
+             flags: torch.Tensor | None = None, channel=None, scaled: bool = False) -> Operation:
     """Average (or otherwise reduce) ``values`` over ranks with ``codec`` and ``reducer``.
 
     Operation generator; afterwards ``values`` holds the reducer's result (e.g. the average).
@@ -110,12 +110,15 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     else with a small extra all-reduce; codecs that keep small integers exact
     (``codec.carries_flags``: identity, cast) can instead be given values and flags as one tensor.
     ``channel`` (from ``reducer.open_channel()``) runs the collectives on private communicators.
+    ``scaled``: the caller already applied the reducer's scaling (divided ``values`` by its
+    denominator while packing them), so the reducer only combines.
     """
     clock = time.perf_counter
     began = clock()
     codec.pre(values)        # on the raw values (clipping)
     spent = clock() - began
-    token = reducer.prepare(values)  # then the reducer's scaling (division before the sum)
+    # then the reducer's scaling (division before the sum)
+    token = None if scaled else reducer.prepare(values)
     began = clock()
     rounds = codec.rounds(values, ctx)
     message = next(rounds, None)
@@ -148,7 +151,8 @@ def exchange(values: torch.Tensor, codec, reducer, ctx: Context,
     CODEC_CLOCK.seconds += spent
     if flag_request is not None:
         yield flag_request
-    reducer.finish(values, token, ctx.support)
+    if not scaled:
+        reducer.finish(values, token, ctx.support)
 
 
 def _flags_can_ride(message, reducer) -> bool:
@@ -194,10 +198,10 @@ class Lane:
             comm.Free()
 
     def start(self, values: torch.Tensor, ctx: Context,
-              flags: torch.Tensor | None = None) -> Request:
+              flags: torch.Tensor | None = None, scaled: bool = False) -> Request:
         if self.private and self.channel is None:
             raise RuntimeError("this lane was closed (close()): it exchanges nothing more")
-        op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel)
+        op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel, scaled)
         if not self.private:
             return Request(op)
         request = Request(_after(self._last, op))

@@ -89,8 +89,10 @@ class GradientSync:
                  reducer: Reducer | None = None,
                  on_backward_end: Callable[[], None] | None = None,
                  grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0,
-                 check_finite: bool = False, names: Sequence[str] | None = None) -> None:
+                 check_finite: bool = False, names: Sequence[str] | None = None,
+                 fold_division: bool = False) -> None:
         self.comm = sanitize_comm(comm)
+        self.fold_division = fold_division
         self.check_finite = check_finite
         self._local_bad: dict[int, list[int]] = {}  # bucket -> its non-finite parameters here
         self.grad_as_bucket_view = grad_as_bucket_view
@@ -101,7 +103,7 @@ class GradientSync:
                   "bucket caps": self._caps, "codec": repr(codec), "reducer":
                   None if reducer is None else (type(reducer).__name__,
                                                 getattr(reducer, "op", None)),
-                  "check_finite": check_finite, "seed": seed,
+                  "check_finite": check_finite, "seed": seed, "fold_division": fold_division,
                   "staged through host memory": any(staged(p) for p in self.params)},
                  self.comm, "the gradient synchronization")
         self._plan(list(reversed(self.params)))
@@ -155,6 +157,7 @@ class GradientSync:
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
         self._next = 0
+        self._fold: float | None = None
 
     def _rebuild(self) -> None:
         """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
@@ -184,6 +187,7 @@ class GradientSync:
         if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()
         self.active = True
+        self._fold = self._fold_denominator()
         self._callback_queued = False
         for marks in self._marked:
             marks[:] = [False] * len(marks)
@@ -215,6 +219,19 @@ class GradientSync:
         self._launch_ready()
         self._progress()
 
+    def _fold_denominator(self) -> float | None:
+        """The average's denominator when the division is folded into packing (``fold_division``,
+        an identity codec, a plain average): each gradient is divided as it is copied into its
+        bucket, one pass over the values instead of two, and the reducer then only sums. Read
+        once per cycle (``heatlike.nn.Join`` sets the denominator before a cycle begins), so the
+        same on every rank."""
+        reducer = self.reducer
+        if not self.fold_division or type(self.codec) is not Identity or \
+                not isinstance(reducer, AllReduce) or reducer.op != "avg" or \
+                reducer.divide_before:
+            return None
+        return reducer.denom
+
     def _mark(self, b: int, i: int, grad: torch.Tensor | None) -> None:
         bucket = self.buckets[b]
         view = bucket.views[i]
@@ -223,8 +240,13 @@ class GradientSync:
             bucket.flags[i] = 0
         else:
             if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
+                if self._fold is None:
+                    view.copy_(grad)
+                else:
+                    torch.div(grad, self._fold, out=view)
                 self._handed[(b, i)] = (grad, -1)
+            elif self._fold is not None:
+                view.div_(self._fold)
             bucket.flags[i] = 1
         self._marked[b][i] = True
         self._ready[b] += 1
@@ -247,9 +269,10 @@ class GradientSync:
                       state=self.codec.state_for(b))
         self._exchanges[b] += 1
         self._contexts[b] = ctx
+        scaled = self._fold is not None
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
-            return self.lane.start(bucket.buffer, ctx)
-        return self.lane.start(bucket.values, ctx, bucket.flags)
+            return self.lane.start(bucket.buffer, ctx, scaled=scaled)
+        return self.lane.start(bucket.values, ctx, bucket.flags, scaled=scaled)
 
     def _pipelined(self) -> bool:
         """Whether a bucket is staged through host memory in several chunks (the same on every

@@ -161,7 +161,7 @@ class DataParallel(torch.nn.Module):
         self.grad_sync = GradientSync(
             [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,
             on_backward_end=self._backward_end, check_finite=check_finite,
-            names=[n for n, _ in named])
+            names=[n for n, _ in named], fold_division=True)
         if optimizer is not None:
             optimizer._attach(self)
         self._handles = [module.register_forward_pre_hook(WrapperHook(self._before_forward))]
@@ -311,7 +311,7 @@ class DataParallelMultiGPU(torch.nn.Module):
         if node.local_size > 1:
             self.grad_sync = GradientSync(list(module.parameters()), node.node_comm,
                                           bucket_cap_mb, first_bucket_mb,
-                                          on_backward_end=self._backward_end)
+                                          on_backward_end=self._backward_end, fold_division=True)
         optimizer.set_model(module)
         # the warmup's gradient averaging over every rank, in DASO's wire type (DASO's module
         # docstring, "Warmup"); dropped when the warmup ends
@@ -320,7 +320,8 @@ class DataParallelMultiGPU(torch.nn.Module):
             codec = Cast(optimizer.cast_dtype) if optimizer.cast_dtype != torch.float32 else None
             self.global_sync = GradientSync(list(module.parameters()), optimizer.comm,
                                             bucket_cap_mb, first_bucket_mb, codec=codec,
-                                            on_backward_end=self._global_backward_end)
+                                            on_backward_end=self._global_backward_end,
+                                            fold_division=True)
             optimizer.warmup_grads = self.global_sync
         self._handle = module.register_forward_pre_hook(WrapperHook(self._before_forward))
         # The global synchronizations in flight move on only inside MPI calls, and a phase of a
