@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import heatlike as hl
+from heatlike.engine import gradsync
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
 
@@ -220,10 +221,14 @@ def test_without_optimizer_grads_are_averaged_after_backward(comm):
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=name)
 
 
-def test_the_division_is_folded_into_packing(comm):
-    """With no codec each gradient is divided by P as it is packed (copied, or in place when
-    ``.grad`` is already the bucket view) and the all-reduce only sums: ``.grad`` is bit for bit
-    the MPI sum of the ``g_r / P`` packed the same way. A codec keeps dividing after the sum."""
+@pytest.mark.parametrize("fuse_from", [1, None], ids=["fused-with-copies", "one-pass"])
+def test_the_division_is_folded_into_packing(comm, monkeypatch, fuse_from):
+    """With no codec each gradient is divided by P as it is packed (with its copy, or in place
+    when ``.grad`` is already the bucket view; a bucket of small parameters in one pass at its
+    launch) and the all-reduce only sums: ``.grad`` is bit for bit the MPI sum of the ``g_r / P``
+    packed the same way. A codec keeps dividing after the sum."""
+    if fuse_from is not None:
+        monkeypatch.setattr(gradsync, "_FUSE_MIN_NUMEL", fuse_from)
     P = comm.size
     torch.manual_seed(0)
     local = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
@@ -240,7 +245,7 @@ def test_the_division_is_folded_into_packing(comm):
         if sync.passthrough:  # one rank: .grad is the local gradient, untouched
             assert all(torch.equal(p.grad, twin[id(p)].grad) for p in local.parameters())
             continue
-        assert sync._fold == P
+        assert sync._fold == P and all(sync._fused) == (fuse_from is not None)
         for bucket in sync.buckets:
             packed = torch.cat([twin[id(p)].grad.reshape(-1) / P for p in bucket.params] +
                                [torch.ones(len(bucket.params))])
@@ -256,6 +261,43 @@ def test_the_division_is_folded_into_packing(comm):
     nn.functional.cross_entropy(bf16(x), y).backward()
     assert bf16.grad_sync._fold is None
     bf16.close()
+    model.close()
+
+
+class _OneUsed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(6, 4)
+        self.never = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16],
+                         ids=["float64", "float16", "bfloat16"])
+def test_gradients_of_every_float_type_are_averaged(comm, dtype):
+    """Buckets of float64, float16 and bfloat16 parameters: ``.grad`` is the average of every
+    rank's gradient, and a parameter no rank used keeps ``grad=None`` (its flag, which a
+    bucket sets through numpy where numpy has the type, else through torch)."""
+    torch.manual_seed(0)
+    plain = _OneUsed().to(dtype)
+    model = DataParallel(copy.deepcopy(plain), comm)
+
+    def data(rank: int) -> torch.Tensor:
+        return torch.randn(B, 6, generator=torch.Generator().manual_seed(rank)).to(dtype)
+
+    expected = []
+    for rank in range(comm.size):
+        plain.zero_grad()
+        plain(data(rank)).float().square().sum().backward()
+        expected.append([p.grad.double() for p in plain.used.parameters()])
+    model(data(comm.rank)).float().square().sum().backward()
+    tol = {torch.float64: 1e-12, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    for got, *each in zip(model.module.used.parameters(), *expected):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad.double(), sum(each) / comm.size, rtol=tol, atol=tol)
+    assert all(p.grad is None for p in model.module.never.parameters())
     model.close()
 
 

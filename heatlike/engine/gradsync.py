@@ -61,6 +61,8 @@ from .reducers import AllReduce, Reducer
 __all__ = ["GradientSync"]
 
 MiB = 1 << 20
+#: mean elements per parameter from which a bucket fuses the folded division with the copies
+_FUSE_MIN_NUMEL = 8192
 
 
 def _complete_all(requests: dict) -> None:
@@ -158,6 +160,10 @@ class GradientSync:
         self._ready = [0] * len(self.buckets)
         self._next = 0
         self._fold: float | None = None
+        # where the division is folded, it is fused with each gradient's copy in buckets of
+        # large parameters, and one pass over the bucket at its launch in buckets of small ones
+        # (a torch call per tiny tensor costs more than the pass it saves); the same quotients
+        self._fused = [b.size >= _FUSE_MIN_NUMEL * len(b.params) for b in self.buckets]
 
     def _rebuild(self) -> None:
         """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
@@ -222,7 +228,8 @@ class GradientSync:
     def _fold_denominator(self) -> float | None:
         """The average's denominator when the division is folded into packing (``fold_division``,
         an identity codec, a plain average): each gradient is divided as it is copied into its
-        bucket, one pass over the values instead of two, and the reducer then only sums. Read
+        bucket (a bucket of small parameters: in one pass when it is launched), so the division
+        costs no pass of its own, or one over hot data, and the reducer then only sums. Read
         once per cycle (``heatlike.nn.Join`` sets the denominator before a cycle begins), so the
         same on every rank."""
         reducer = self.reducer
@@ -237,17 +244,18 @@ class GradientSync:
         view = bucket.views[i]
         if grad is None:
             view.zero_()
-            bucket.flags[i] = 0
+            bucket.set_flag(i, 0)
         else:
+            fuse = self._fold is not None and self._fused[b]
             if grad.data_ptr() != view.data_ptr():
-                if self._fold is None:
-                    view.copy_(grad)
-                else:
+                if fuse:
                     torch.div(grad, self._fold, out=view)
+                else:
+                    view.copy_(grad)
                 self._handed[(b, i)] = (grad, -1)
-            elif self._fold is not None:
+            elif fuse:
                 view.div_(self._fold)
-            bucket.flags[i] = 1
+            bucket.set_flag(i, 1)
         self._marked[b][i] = True
         self._ready[b] += 1
 
@@ -270,6 +278,8 @@ class GradientSync:
         self._exchanges[b] += 1
         self._contexts[b] = ctx
         scaled = self._fold is not None
+        if scaled and not self._fused[b]:
+            bucket.values.div_(self._fold)
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
             return self.lane.start(bucket.buffer, ctx, scaled=scaled)
         return self.lane.start(bucket.values, ctx, bucket.flags, scaled=scaled)
@@ -357,6 +367,8 @@ class GradientSync:
             return
         self._begin()
         for b, bucket in enumerate(self.buckets):
+            if self._ready[b] == len(bucket.params):
+                continue
             for i, p in enumerate(bucket.params):
                 if not self._marked[b][i]:
                     self._mark(b, i, p.grad)
