@@ -279,7 +279,8 @@ class _OneUsed(nn.Module):
 def test_gradients_of_every_float_type_are_averaged(comm, dtype):
     """Buckets of float64, float16 and bfloat16 parameters: ``.grad`` is the average of every
     rank's gradient, and a parameter no rank used keeps ``grad=None`` (its flag, which a
-    bucket sets through numpy where numpy has the type, else through torch)."""
+    bucket sets through a numpy view where numpy has the type, else in a host array copied
+    into the bucket at its launch)."""
     torch.manual_seed(0)
     plain = _OneUsed().to(dtype)
     model = DataParallel(copy.deepcopy(plain), comm)

@@ -269,6 +269,7 @@ class GradientSync:
 
     def _exchange(self, bucket: Bucket) -> Request:
         b = bucket.index
+        bucket.publish_flags()
         if self.check_finite:
             self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, bucket.views)
                                   if not all_finite(v)]
