@@ -174,6 +174,39 @@ def test_deferred_update_happens_in_next_forward(comm, blocking):
     _same_on_all_ranks(comm, local)
 
 
+def test_only_deferred_updates_put_a_hook_on_every_layer(comm):
+    """A non-blocking optimizer's updates are applied layer by layer, from a forward hook on each
+    layer with parameters; a blocking one's model has none. Switched to non-blocking behind
+    DataParallel's back, its deferred updates are all applied as the next forward begins, so
+    every forward still sees the updated parameters."""
+    P, r = comm.size, comm.rank
+    for blocking in (True, False):
+        local = Net(seed=0)
+        model = DataParallel(local, comm, optimizer=DataParallelOptimizer(
+            _optimizer("sgd", local), blocking=blocking))
+        hooked = [m for m in local.modules() if m is not local and m._forward_pre_hooks]
+        per_layer = not blocking and not model.grad_sync.passthrough
+        assert len(hooked) == (4 if per_layer else 0)  # fc1, fc2, extra, never
+    reference = Net(seed=0)
+    ref_opt = _optimizer("sgd", reference)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=True)
+    model = DataParallel(local, comm, optimizer=dp_opt)
+    dp_opt.blocking = False
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        out = model(x[mine], y[mine])
+        with torch.no_grad():
+            torch.testing.assert_close(out, reference(x[mine], y[mine]), **TOL)
+        dp_opt.zero_grad()
+        _loss(out, y[mine]).backward()
+        dp_opt.step()
+        ref_opt.zero_grad()
+        _loss(reference(x, y), y).backward()
+        ref_opt.step()
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 def test_gradient_accumulation_with_no_sync(comm, blocking):
     """k micro-steps under no_sync plus one synchronizing backward equal one process
