@@ -220,6 +220,8 @@ class DecentralizedAggregation(Aggregation):
         return Gossip(self.graph)
 
     def close(self) -> None:
+        """Collective: free the channels (as every aggregation) and the neighbor graph's
+        communicators, which this aggregation built."""
         super().close()
         self.graph.free()
 

@@ -82,7 +82,10 @@ class GradientSync:
     """Average the gradients of ``params`` over ``comm``, bucket by bucket, during backward.
 
     ``on_backward_end`` (optional) runs after the end-of-backward launch, e.g. to wait for the
-    results right away (blocking data parallelism).
+    results right away (blocking data parallelism). ``fold_division`` (with the identity codec
+    and a plain ``AllReduce`` average of denominator P): each rank packs ``g / P`` and the
+    all-reduce only sums, so the average is ``sum_r(g_r / P)`` (DDP's order; the same bits as
+    ``sum_r(g_r) / P`` where P is a power of two), at no pass of its own.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
