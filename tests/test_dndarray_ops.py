@@ -2,6 +2,7 @@
 split, balanced and unbalanced, with empty local parts."""
 
 import itertools
+import math
 import warnings
 
 import numpy as np
@@ -250,6 +251,54 @@ def test_reduction_dtypes_and_values():
         h = x.astype(hl.bfloat16)
         assert_matches(h.sum(axis=0).astype(hl.float32), gh.sum(axis=0), what)
         assert h.mean().dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sums_of_wide_rows_along_inner_axes(dtype, monkeypatch):
+    """Sums and means over a non-last axis of arrays wide and long enough for the blocked row
+    accumulation (:func:`heatlike.core.reductions._rows_sum`), with NaN and infinity, in every
+    layout: within a few units in the last place of the float64 sum, like torch's own."""
+    from heatlike.core import reductions
+
+    eps = np.finfo(dtype).eps
+    calls = []
+    blocked = reductions._rows_sum
+    monkeypatch.setattr(reductions, "_rows_sum", lambda v: calls.append(v.shape) or blocked(v))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the blocked path is taken on one thread only
+    try:
+        _check_wide_sums(dtype, eps)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls, "the blocked row sum was never used"
+    # the blocked sum itself (one block, a remainder, several levels, outer > 1) on positive
+    # values, whose one-after-the-other sum drifts (52 eps for 70000 float32 rows)
+    for n in (1, 63, 64, 65, 64 * 64, 64 * 64 + 3, 70000):
+        v = (0.1 + 0.01 * np.random.default_rng(n).random((2, n, 5))).astype(dtype)
+        exact = np.array([[math.fsum(v[o, :, j].tolist()) for j in range(5)] for o in range(2)])
+        err = np.abs(blocked(v) - exact) / exact
+        assert err.max() <= 4 * eps, f"n={n}: error {err.max() / eps:.1f} eps"
+
+
+def _check_wide_sums(dtype, eps):
+    for i, (shape, axis) in enumerate([((2200, 1100), 0), ((3, 300, 1030), 1),
+                                       ((520, 2, 600), 0)]):
+        g = global_array(40 + i, shape).astype(dtype) / 7
+        g.reshape(-1)[5::100003] = np.inf
+        g.reshape(-1)[11::90001] = np.nan
+        exact = g.astype(np.float64).sum(axis=axis)
+        scale = np.abs(g.astype(np.float64)).sum(axis=axis)
+        for what, x in layouts(g, seed=i):
+            got = x.sum(axis=axis).numpy()
+            assert got.dtype == dtype, what
+            finite = np.isfinite(exact)
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(exact), err_msg=what)
+            np.testing.assert_array_equal(got[~finite & ~np.isnan(exact)],
+                                          exact[~finite & ~np.isnan(exact)], err_msg=what)
+            err = np.abs(got[finite] - exact[finite]) / scale[finite]
+            assert err.max() <= 16 * eps, f"{what}: error {err.max() / eps:.1f} eps"
+            assert_matches(x.mean(axis=axis), g.mean(axis=axis), what, rtol=32 * eps,
+                           atol=32 * eps)
 
 
 def test_argmin_argmax():
