@@ -96,7 +96,7 @@ def test_primitives_by_hand(monkeypatch):
     assert cm.engine_allreduce(n, lay, LINKS) == cm.library_allreduce(n, lay, LINKS)
 
 
-def test_algorithm_models_by_hand():
+def test_algorithm_models_by_hand(monkeypatch):
     assert set(cm.MODELS) == set(ALGORITHMS)
     net = mlp([64, 128, 64, 10])
     shapes = cm.Shapes.of(net)
@@ -124,7 +124,11 @@ def test_algorithm_models_by_hand():
     assert cm.comm_time("decentralized", shapes, lay, LINKS) == pytest.approx(
         2 * (5e-6 + 4 * m * 1e-9))
     hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 4 * m * 1e-9
+    # under the node-aware threshold (1 MiB) the library's all-reduce, like the reducer
+    assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(ring(4 * m))
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "0")
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)
+    monkeypatch.delenv("HEATLIKE_NODE_AWARE_MIN_KB")
     # DASO: node-local all-reduce of 4m every step; every 4 steps a bf16 all-reduce among the
     # 2 nodes (in 4 shards) and a node-local all-gather of the merged shards of 4m
     node = 2 * 2 * 2e-6 + 2 * 3 / 4 * 4 * m * 1e-10

@@ -231,9 +231,14 @@ def test_warmup_sums_exactly_then_is_the_inner_codec_from_a_fresh_state(comm, ma
         Warmup(TopK, 2)
 
 
-def test_hierarchical_equals_flat(comm, monkeypatch):
+@pytest.mark.parametrize("min_kb", ["0", "1024"], ids=["three-phases", "small-sums-flat"])
+def test_hierarchical_equals_flat(comm, monkeypatch, min_kb):
     """Equal nodes (node-aware: reduce-scatter, concurrent cross all-reduces, all-gather; shards
-    of every size, empty ones included) and unequal nodes (through the node leaders)."""
+    of every size, empty ones included) and unequal nodes (through the node leaders); sums under
+    ``HEATLIKE_NODE_AWARE_MIN_KB`` take one all-reduce over the world, and nothing over the
+    node-local or cross-node communicators."""
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", min_kb)
+    phased = []
     for per_node in (1, 2, 3):
         monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(per_node))
         topo = Topology(comm)
@@ -243,6 +248,13 @@ def test_hierarchical_equals_flat(comm, monkeypatch):
                 for op in ("avg", "max"):
                     red = Hierarchical(comm, op=op, topology=topo)
                     channel = red.open_channel()
+                    for part in ("node", "cross"):
+                        for c in (channel[part], getattr(topo, f"{part}_comm")):
+                            for name in ("Ireduce_scatter", "Ireduce", "Iallreduce", "Ibcast",
+                                         "Iallgatherv"):
+                                real = getattr(c, name)
+                                monkeypatch.setattr(c, name, lambda *a, real=real, **k: (
+                                    phased.append(real.__name__), real(*a, **k))[1])
                     try:
                         for ch in (None, channel):
                             got = xs[comm.rank].clone()
@@ -257,6 +269,7 @@ def test_hierarchical_equals_flat(comm, monkeypatch):
                             c.Free()
         finally:
             topo.free()
+    assert bool(phased) == (min_kb == "0" and comm.size > 1), phased
 
 
 @pytest.mark.mpi(min_size=2)
@@ -726,8 +739,9 @@ def test_flat_nonzero_equals_torch_nonzero():
 
 def test_largest_selects_exactly_what_topk_selects():
     """The threshold-first selection of TopK equals torch.topk's choice (as a set of values) on
-    large inputs, with NaN counted as largest, and falls back to torch.topk when the strided
-    sample misleads the threshold."""
+    large inputs of every float type, with NaN counted as largest (numpy's partition on the CPU,
+    torch.topk for bfloat16), and falls back to torch.topk when the strided sample misleads the
+    threshold."""
     from heatlike.engine.codecs import largest
 
     g = torch.Generator().manual_seed(5)
@@ -740,6 +754,9 @@ def test_largest_selects_exactly_what_topk_selects():
     misleading = torch.rand(n, generator=g)
     misleading[::n // (1 << 15)] += 100.0  # the sample sees only the large values
     cases["misleading sample"] = misleading
+    cases["float64 nan"] = with_nan.double()
+    cases["float16 ties"] = cases["ties"].half()
+    cases["bfloat16"] = cases["normal"].bfloat16()  # torch's own selection among candidates
     for name, a in cases.items():
         for k in (1, 37, 3000, n // 8):
             got = largest(a, k)

@@ -50,7 +50,8 @@ centralized SGD/Adam, clipping,
 DistOpt fused)
 bf16 cast, FP16Optimizer, DistOpt      all-reduce of 2m (bf16 cast on several equal
 half                                   nodes: hierarchical all-reduce of 2m)
-hierarchical                           hierarchical all-reduce of 4m
+hierarchical                           hierarchical all-reduce of 4m (the library's
+                                       under the node-aware threshold, 1 MiB)
 PowerSGD rank r                        all-reduce of ``4 (r sum a_i + m_1)`` then of
                                        ``4 r sum b_i``
 top-k ratio q (also DistOpt sparse)    all-gather of ``8 ceil(q m)`` (index and value)
@@ -309,7 +310,12 @@ def _allreduce(factor: float) -> Model:
 
 
 def _hierarchical(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
+    """Three phases, or the library's all-reduce under the node-aware threshold."""
+    from ..engine.reducers import node_aware_min_bytes
+
     n = 4.0 * s.total
+    if n < node_aware_min_bytes():
+        return library_allreduce(n, lay, links), n
     return hierarchical_allreduce(n, lay, links), n
 
 

@@ -181,11 +181,16 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     threshold = torch.kthvalue(sample, m - above + 1).values
     if a.device.type == "cpu" and a.dtype is not torch.bfloat16:
         # numpy's comparison with a scalar and in-place negation: about 2x torch's here
-        keep = np.less(a.numpy(), threshold.item())
+        values = a.numpy()
+        keep = np.less(values, threshold.item())
         np.logical_not(keep, out=keep)  # NaN is not below the threshold: kept
-        candidates = torch.from_numpy(np.flatnonzero(keep))
-    else:
-        candidates = flat_nonzero(~(a < threshold))
+        candidates = np.flatnonzero(keep)
+        if candidates.size < k:
+            return torch.topk(a, k, sorted=False).indices
+        # numpy's introselect orders NaN last, as the largest: 6x torch.topk's time here
+        chosen = np.argpartition(values[candidates], candidates.size - k)[candidates.size - k:]
+        return torch.from_numpy(candidates[chosen])
+    candidates = flat_nonzero(~(a < threshold))
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
     return candidates[torch.topk(a.index_select(0, candidates), k, sorted=False).indices]
