@@ -81,7 +81,8 @@ class PowerSGD(GenericCentralizedOptimizer):
 
 class _UpdateSync(torch.optim.Optimizer):
     """A torch optimizer whose per-step update of every parameter goes through the engine: the
-    update is written to ``.grad``, exchanged (codec + reducer, one bucket per tensor), and the
+    update is written to ``.grad``, exchanged (codec + reducer; one bucket per tensor unless
+    ``bucket_cap_mb`` lets tensors share one, for codecs that act on each entry alone), and the
     result applied (the base of the sparsified and sign optimizers).
 
     It is its own local optimizer: ``param_groups``, ``state``, ``defaults`` are torch's, and
@@ -94,7 +95,8 @@ class _UpdateSync(torch.optim.Optimizer):
     """
 
     def __init__(self, params, defaults: dict, comm: MPICommunication | None,
-                 world_size: int | None, codec: codecs.Codec, op: str) -> None:
+                 world_size: int | None, codec: codecs.Codec, op: str,
+                 bucket_cap_mb: float = 1e-6) -> None:
         comm = sanitize_comm(comm)
         error = _check_lr(defaults.get("lr", required)) or world_size_error(world_size, comm)
         raise_together(error, comm)
@@ -103,7 +105,7 @@ class _UpdateSync(torch.optim.Optimizer):
         self.world_size = comm.size
         plist = [p for g in self.param_groups for p in g["params"]]
         broadcast_module(torch.nn.ParameterList(plist), comm)  # rank 0's initialization kept
-        self.sync = GradientSync(plist, comm, 1e-6, 1e-6, codec=codec,
+        self.sync = GradientSync(plist, comm, bucket_cap_mb, bucket_cap_mb, codec=codec,
                                  reducer=AllReduce(comm, op=op), hooks=False,
                                  grad_as_bucket_view=False)
         self._synchronized = {id(p) for p in self.sync.params}
@@ -388,7 +390,9 @@ class SignSGD(_UpdateSync):
         raise_together(error, comm)
         defaults = {"lr": lr, "momentum": momentum, "weight_decay": weight_decay,
                     "dampening": dampening, "nesterov": nesterov}
-        super().__init__(params, defaults, comm, None, codecs.Sign(), "sum")
+        # signs are per entry, so the tensors share buckets: one vote for up to 25 MB of
+        # directions instead of one collective per tensor, the same result
+        super().__init__(params, defaults, comm, None, codecs.Sign(), "sum", bucket_cap_mb=25.0)
 
     @torch.no_grad()
     def step(self, closure=None, tracker=None):
