@@ -717,3 +717,20 @@ def test_every_command_line_prints_its_help(argv):
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
                           cwd=root, env=_clean_env())
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_cluster_deep_model_is_a_residual_mlp_of_fourteen_layers():
+    """``bench cluster --models deep``: 4.97M parameters in fourteen linear layers (twelve of
+    them 640 x 640 in residual blocks), digits in, ten classes out; two builds of one seed are
+    the same model (every job starts from the same weights)."""
+    import torch
+
+    from heatlike.bench import cluster as bc
+
+    task = bc._task("deep")
+    net, again = task.build(0), task.build(0)
+    linears = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 14 and sum(p.numel() for p in net.parameters()) == 4_970_890
+    assert [tuple(m.weight.shape) for m in linears[1:-1]] == [(640, 640)] * 12
+    x = torch.randn(3, 64)
+    assert net(x).shape == (3, 10) and torch.equal(net(x), again(x))

@@ -209,3 +209,37 @@ def test_every_heatlike_variable_is_in_the_table():
         named |= set(re.findall(r"HEATLIKE_[A-Z_]*[A-Z]", path.read_text()))
     missing = sorted(v for v in named if f"`{v}" not in table)
     assert not missing, f"not in docs/communication.md's table: {missing}"
+
+
+def test_bucket_cap_and_concurrent_buckets(monkeypatch, comm):
+    """HEATLIKE_BUCKET_CAP_MB is DataParallel's bucket size when none is given (an explicit one
+    wins), HEATLIKE_CONCURRENT_BUCKETS the gradient synchronization's channels; bad values
+    raise on every rank, before anything is built."""
+    import torch
+
+    from heatlike.engine import GradientSync
+    from heatlike.nn import DataParallel
+
+    net = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))  # 1 MiB each
+    monkeypatch.setenv("HEATLIKE_BUCKET_CAP_MB", " 1.5 ")
+    monkeypatch.setenv("HEATLIKE_CONCURRENT_BUCKETS", "1")
+    model = DataParallel(net, comm, first_bucket_mb=1.5)
+    try:
+        assert len(model.grad_sync.buckets) == 2 and model.grad_sync.concurrent_buckets == 1
+        assert model.grad_sync.lane.width == 1
+    finally:
+        model.close()
+    model = DataParallel(net, comm, bucket_cap_mb=25.0, first_bucket_mb=25.0)
+    try:
+        assert len(model.grad_sync.buckets) == 1
+    finally:
+        model.close()
+    for name, bad in [("HEATLIKE_BUCKET_CAP_MB", "0"), ("HEATLIKE_BUCKET_CAP_MB", "big"),
+                      ("HEATLIKE_CONCURRENT_BUCKETS", "0"), ("HEATLIKE_CONCURRENT_BUCKETS", "2.5")]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}="):
+            if name == "HEATLIKE_BUCKET_CAP_MB":
+                DataParallel(net, comm)
+            else:
+                GradientSync(list(net.parameters()), comm)
+        monkeypatch.delenv(name)

@@ -8,7 +8,10 @@ trains on scikit-learn's digits for ``--epochs`` epochs (6; 2 with ``--quick``),
 plain SGD learning rate 0.05 (scaled per algorithm as :data:`heatlike.recipes.ALGORITHMS` says),
 the same initial weights and data order in every job. The models: ``mlp``, 64-2048-2048-10 (4.35M
 parameters, where the links dominate) and ``cnn``, two 3x3 convolutions and two linear layers
-(151K parameters, where computation does).
+(151K parameters, where computation does); on request (``--models deep``) ``deep``, a residual
+MLP of fourteen linear layers (64-640, twelve residual 640-640 blocks, 640-10: 4.97M parameters
+in 1.6 MB matrices whose gradients arrive over the whole backward pass; with small buckets,
+``HEATLIKE_BUCKET_CAP_MB=2``, it shows what overlapping communication with backward can win).
 
 Per job it reports
 
@@ -62,6 +65,8 @@ ALGORITHMS = ["allreduce", "allreduce-nonblocking", "bf16", "hierarchical", "das
               "topk-1%", "decentralized"]
 QUICK_ALGORITHMS = ["allreduce", "bf16", "hierarchical", "daso", "powersgd-2"]
 MODELS = ["mlp", "cnn"]
+#: every model a job can train (``deep`` only when asked for)
+ALL_MODELS = [*MODELS, "deep"]
 RANKS_PER_NODE = (2, 2)
 BATCH_SIZE = 32
 
@@ -78,12 +83,34 @@ def _cnn(seed: int = 0):
                          nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
+def _deep(seed: int = 0):
+    """The residual MLP of ``--models deep`` (module docstring): block i computes
+    ``x + relu(W_i x + b_i)``, which trains where fourteen plain ReLU layers would not."""
+    import torch
+    from torch import nn
+
+    class Residual(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.relu(self.linear(x))
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 640), nn.ReLU(), *[Residual(640) for _ in range(12)],
+                         nn.Linear(640, 10))
+
+
 def _task(model: str):
     from ..recipes import Task, load_digits_split
 
     data = load_digits_split(0)
     if model == "mlp":
         return Task("digits-mlp-4.35M", data, [64, 2048, 2048, 10], batch_size=BATCH_SIZE)
+    if model == "deep":
+        return Task("digits-residual-mlp-4.97M", data, [64, 10], batch_size=BATCH_SIZE,
+                    model=_deep)
     return Task("digits-cnn", data, [64, 10], batch_size=BATCH_SIZE, model=_cnn)
 
 
@@ -250,7 +277,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="link rates, comma-separated (default 1gbit,10gbit)")
     p.add_argument("--algorithms", metavar="A,B,...",
                    help="algorithms (default: " + ",".join(ALGORITHMS).replace("%", "%%") + ")")
-    p.add_argument("--models", metavar="M,...", help="mlp, cnn or both (default both)")
+    p.add_argument("--models", metavar="M,...",
+                   help="mlp, cnn, deep (default: mlp,cnn)")
     p.add_argument("--epochs", type=int, default=0, help="epochs per job (default 6)")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds one job may take (default 1200)")
@@ -270,7 +298,7 @@ def _choose(spec: str | None, default: list[str], what: str = "algorithm") -> li
     if not spec:
         return list(default)
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    known = KNOWN if what == "algorithm" else MODELS
+    known = KNOWN if what == "algorithm" else ALL_MODELS
     unknown = [n for n in names if n not in known]
     if unknown:
         raise SystemExit(f"bench cluster: unknown {what}(s) {unknown}; choose from "

@@ -180,30 +180,48 @@ class Lane:
     on every rank and never interleave with anything else. ``pipelined`` (the buffers are
     staged through host memory in several chunks, ``heatlike.core._staging``) makes even a
     single all-reduce such an exchange: its chunks' collectives start as progress reaches them.
+
+    ``width`` private channels (default 1) let that many exchanges run at once: exchange k goes
+    to channel ``k % width`` and waits only for the exchange before it on that channel. Every
+    rank starts the same exchanges in the same order, so each channel still sees one sequence of
+    collectives on every rank. Where progress is intermittent (it happens only when a rank calls
+    into MPI, e.g. between the layers of a backward pass), one serial chain of multi-phase
+    exchanges leaves the links idle between its phases; several chains keep them busy.
     The choice is collective: every rank must pass the same."""
 
-    def __init__(self, codec, reducer, pipelined: bool = False) -> None:
+    def __init__(self, codec, reducer, pipelined: bool = False, width: int = 1) -> None:
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"a lane's width must be a positive int, got {width!r}")
         self.codec, self.reducer = codec, reducer
         self.private = not (codec.single_round and reducer.single_phase) or pipelined
-        self.channel = reducer.open_channel() if self.private else None
-        self._last = None
+        self.width = width if self.private else 1
+        self.channels = [reducer.open_channel() for _ in range(self.width)] \
+            if self.private else []
+        self._last: list = [None] * self.width
+        self._turn = 0
+
+    @property
+    def channel(self):
+        """The first private channel (None for a shared lane, or once closed)."""
+        return self.channels[0] if self.channels else None
 
     def close(self) -> None:
-        """Collective: free the private channel's communicators (after the last exchange has
+        """Collective: free the private channels' communicators (after the last exchange has
         completed; a closed lane starts nothing more)."""
-        channel, self.channel = self.channel, None
-        if channel is None:
-            return
-        for comm in (channel.values() if isinstance(channel, dict) else [channel]):
-            comm.Free()
+        channels, self.channels = self.channels, []
+        for channel in channels:
+            for comm in (channel.values() if isinstance(channel, dict) else [channel]):
+                comm.Free()
 
     def start(self, values: torch.Tensor, ctx: Context,
               flags: torch.Tensor | None = None, scaled: bool = False) -> Request:
-        if self.private and self.channel is None:
+        if self.private and not self.channels:
             raise RuntimeError("this lane was closed (close()): it exchanges nothing more")
-        op = exchange(values, self.codec, self.reducer, ctx, flags, self.channel, scaled)
         if not self.private:
-            return Request(op)
-        request = Request(_after(self._last, op))
-        self._last = request
+            return Request(exchange(values, self.codec, self.reducer, ctx, flags, None, scaled))
+        k = self._turn
+        self._turn = (k + 1) % self.width
+        op = exchange(values, self.codec, self.reducer, ctx, flags, self.channels[k], scaled)
+        request = Request(_after(self._last[k], op))
+        self._last[k] = request
         return request

@@ -22,6 +22,7 @@ import torch
 
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
+from ..core.env import env_float
 from ..engine.autotune import autotune
 from ..engine.codecs import Cast, Codec, codec_error
 from ..engine.gradsync import GradientSync
@@ -60,7 +61,9 @@ class DataParallel(torch.nn.Module):
     blocking_parameter_updates: Heat's argument: when given, it sets the optimizer's mode (as in
         Heat, the module's flag wins over the optimizer's ``blocking``); None keeps the
         optimizer's.
-    bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB);
+    bucket_cap_mb, first_bucket_mb: bucket sizes (DDP's defaults: 25 MiB, first 1 MiB;
+        ``bucket_cap_mb=None`` reads ``HEATLIKE_BUCKET_CAP_MB``, as Horovod reads
+        ``HOROVOD_FUSION_THRESHOLD``, else 25);
         ``bucket_cap_mb="auto"`` measures the communicator at construction and picks both
         (:func:`heatlike.engine.autotune`; the choice and the reason are logged on rank 0 and kept
         in ``self.autotuned``).
@@ -82,7 +85,7 @@ class DataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, comm: MPICommunication = MPI_WORLD,
                  optimizer: DataParallelOptimizer | None = None,
                  blocking_parameter_updates: bool | None = None, *,
-                 bucket_cap_mb: float | str = 25.0, first_bucket_mb: float = 1.0,
+                 bucket_cap_mb: float | str | None = None, first_bucket_mb: float = 1.0,
                  sync_buffers: str | None = "broadcast", codec: Codec | str | None = None,
                  find_unused_parameters: bool = False, check_finite: bool = False) -> None:
         super().__init__()
@@ -119,6 +122,12 @@ class DataParallel(torch.nn.Module):
                                f"got {sync_buffers!r}")
         else:
             error = no_trainable_parameters(module, "DataParallel")
+        if error is None and bucket_cap_mb is None:
+            try:
+                bucket_cap_mb = env_float("HEATLIKE_BUCKET_CAP_MB", 25.0, minimum=1e-6,
+                                          meaning="MiB per gradient bucket")
+            except ValueError as bad:
+                error = bad
         if error is None and not (isinstance(codec, str) and codec == "auto"):
             codec, error = codec_error(codec)
         raise_together(error, comm)
