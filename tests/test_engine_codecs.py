@@ -859,3 +859,30 @@ def test_lane_width_must_be_a_positive_int(comm):
         assert (lane.channel is None) == (not lane.private)
     finally:
         lane.close()
+
+
+def test_waiting_for_one_bucket_advances_the_others(comm):
+    """While a rank waits for one bucket, every test of it first tests the exchanges in flight
+    on the other channels (their next collectives are issued only when their own requests are
+    tested); the request waited for stays what a timeout report looks into."""
+    from heatlike.core.checks import _innermost
+    from heatlike.engine.gradsync import _Advancing
+
+    class Fake:
+        def __init__(self, ready_after):
+            self.tests, self.ready_after = 0, ready_after
+            self._req, self._board, self._seq, self._label = None, None, 0, "fake"
+
+        def Test(self, status=None):
+            self.tests += 1
+            return self.tests >= self.ready_after
+
+    target, others = Fake(3), [Fake(1), Fake(10)]
+    waiting = _Advancing(target, others)
+    results = [waiting.Test() for _ in range(3)]
+    assert results == [False, False, True]
+    assert [o.tests for o in others] == [3, 3] and target.tests == 3
+    assert _innermost(waiting, None, 0) == (None, 0, "")  # descends into the target
+    target._req = Fake(1)
+    target._board, target._seq = "board", 7
+    assert _innermost(waiting, None, 0) == ("board", 7, " (waiting in fake)")

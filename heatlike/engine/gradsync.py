@@ -15,7 +15,8 @@ communicator while the backward pass is still running (the idea of PyTorch DDP):
    (``heatlike.engine.exchange``). Launching strictly in bucket order keeps the sequence of
    collectives identical on all ranks whatever order the hooks fire in. Exchanges of several
    collectives (node-aware sums, staged chunks, multi-round codecs) run on private channels:
-   bucket k on channel ``k % concurrent_buckets``, so up to that many are in flight at once.
+   bucket k on channel ``k % concurrent_buckets``, so up to that many are in flight at once;
+   waiting for one bucket also advances the others.
 3. At the end of the backward pass (an autograd callback), every parameter that has not reported
    is filled in: with its ``.grad`` if it has one (gradients accumulated under ``no_sync``),
    else zeros and flag 0; the remaining buckets are launched. No rank waits for a bucket another
@@ -79,6 +80,23 @@ def _complete_all(requests: dict) -> None:
                 request.Wait()
             except (RuntimeError, TimeoutError):
                 return  # the job is failing already (a peer ended or diverged): it was reported
+
+
+class _Advancing:
+    """A request to wait for whose ``Test`` first tests ``others``: the exchanges on other
+    channels advance to their next collectives while this rank waits for one of them (an
+    exchange's later collectives are issued only when its own request is tested). ``_req`` is
+    the request waited for, where timeout reports look for the collective it waits in."""
+
+    __slots__ = ("_req", "_others")
+
+    def __init__(self, request: Request, others: list[Request]) -> None:
+        self._req, self._others = request, others
+
+    def Test(self, status=None) -> bool:
+        for other in self._others:
+            other.Test()
+        return self._req.Test(status)
 
 
 class GradientSync:
@@ -444,9 +462,11 @@ class GradientSync:
         if not request.done:
             waiting = self.tracker.span(f"bucket {b}", "comm wait") \
                 if self.tracker is not None else contextlib.nullcontext()
+            others = [r for k, r in self._requests.items() if k != b and not r.done]
+            waitable = _Advancing(request, others) if others else request
             with waiting:
                 self._engine_touches(lambda: _checks.wait(
-                    request, lambda: f"the exchange of gradient bucket {b}", request._board,
+                    waitable, lambda: f"the exchange of gradient bucket {b}", request._board,
                     request._seq, watch=self._board.check))
         self._reduced.add(b)
 
