@@ -886,3 +886,27 @@ def test_waiting_for_one_bucket_advances_the_others(comm):
     target._req = Fake(1)
     target._board, target._seq = "board", 7
     assert _innermost(waiting, None, 0) == ("board", 7, " (waiting in fake)")
+
+
+def test_set_reducer_frees_the_old_channels(comm):
+    """A new reducer gets a new lane; the old lane's private channels are freed, not left to
+    MPI_Finalize (four channels of up to three communicators each)."""
+    from heatlike.engine import GradientSync
+
+    params = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]
+    sync = GradientSync(params, comm, 1e-6, 1e-6, codec=PowerSGD(rank=1), hooks=False)
+    if sync.passthrough:
+        pytest.skip("one rank, nothing exchanged")
+    old = sync.lane
+    assert old.private and len(old.channels) == 3
+    sync.set_reducer(AllReduce(comm))
+    try:
+        assert old.channels == [] and sync.lane is not old and len(sync.lane.channels) == 3
+        for p in params:
+            p.grad = torch.full((5,), float(comm.rank))
+        sync.launch_all()
+        sync.synchronize()
+        for p in params:
+            torch.testing.assert_close(p.grad, torch.full((5,), (comm.size - 1) / 2))
+    finally:
+        sync.close()

@@ -340,12 +340,17 @@ class GradientSync:
             for b in self.buckets)
 
     def set_reducer(self, reducer: Reducer) -> None:
-        """Use ``reducer`` from the next cycle on (collective if it needs a private channel)."""
+        """Use ``reducer`` from the next cycle on. Collective, between steps: the old lane's
+        private channels are freed and the new lane's opened."""
         if self.passthrough:
             raise RuntimeError("a one-rank gradient synchronization has no exchange whose "
                                "reducer could change")
-        self.reducer = reducer
+        if self.active:
+            raise RuntimeError("change the reducer between steps, not while gradients are "
+                               "being synchronized")
+        old, self.reducer = self.lane, reducer
         self.lane = self._new_lane(reducer, self._pipelined())
+        old.close()
 
     @property
     def bytes_sent(self) -> int:
