@@ -853,6 +853,9 @@ def test_lane_width_must_be_a_positive_int(comm):
             Lane(Identity(), AllReduce(comm), width=bad)
         with pytest.raises(ValueError, match="concurrent_buckets"):
             GradientSync([torch.nn.Parameter(torch.zeros(3))], comm, concurrent_buckets=bad)
+    one_rank_bad = 0 if comm.rank == 0 else 2  # raised on every rank, nobody left waiting
+    with pytest.raises(ValueError, match="concurrent_buckets"):
+        GradientSync([torch.nn.Parameter(torch.zeros(3))], comm, concurrent_buckets=one_rank_bad)
     lane = Lane(Identity(), AllReduce(comm), width=4)
     try:  # one collective per exchange (a flat all-reduce) needs no channel
         assert (lane.width, len(lane.channels)) == ((4, 4) if lane.private else (1, 0))

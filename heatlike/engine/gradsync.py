@@ -53,7 +53,7 @@ from torch.autograd import Variable
 from ..core import checks as _checks
 from ..core._buffers import staged
 from ..core._staging import chunk_bytes
-from ..core.agreement import agree_on
+from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from ..core.env import env_int
 from .buckets import Bucket, plan_buckets
@@ -123,12 +123,17 @@ class GradientSync:
                  check_finite: bool = False, names: Sequence[str] | None = None,
                  fold_division: bool = False, concurrent_buckets: int | None = None) -> None:
         self.comm = sanitize_comm(comm)
-        if concurrent_buckets is None:
-            concurrent_buckets = env_int("HEATLIKE_CONCURRENT_BUCKETS", 4, minimum=1)
-        if not isinstance(concurrent_buckets, int) or isinstance(concurrent_buckets, bool) or \
-                concurrent_buckets < 1:
-            raise ValueError(f"concurrent_buckets must be a positive int, got "
-                             f"{concurrent_buckets!r}")
+        error = None
+        try:
+            if concurrent_buckets is None:
+                concurrent_buckets = env_int("HEATLIKE_CONCURRENT_BUCKETS", 4, minimum=1)
+            if not isinstance(concurrent_buckets, int) or isinstance(concurrent_buckets, bool) \
+                    or concurrent_buckets < 1:
+                raise ValueError(f"concurrent_buckets must be a positive int, got "
+                                 f"{concurrent_buckets!r}")
+        except ValueError as bad:
+            error = bad
+        raise_together(error, self.comm)  # a bad value on one rank must not leave others waiting
         self.concurrent_buckets = concurrent_buckets
         self.fold_division = fold_division
         self.check_finite = check_finite
@@ -345,9 +350,9 @@ class GradientSync:
         if self.passthrough:
             raise RuntimeError("a one-rank gradient synchronization has no exchange whose "
                                "reducer could change")
-        if self.active:
-            raise RuntimeError("change the reducer between steps, not while gradients are "
-                               "being synchronized")
+        raise_together(RuntimeError("change the reducer between steps, not while gradients "
+                                    "are being synchronized") if self.active else None,
+                       self.comm)
         old, self.reducer = self.lane, reducer
         self.lane = self._new_lane(reducer, self._pipelined())
         old.close()
