@@ -93,8 +93,16 @@ def test_every_script_without_a_gpu_is_submitted_here():
 
 
 def _until_exec(pid: int, comm: str, seconds: float = 10) -> None:
+    """Wait until ``pid`` has exec'd ``comm`` and its new environment is readable: the kernel
+    renames the process before it lays out the new stack, so for a moment ``/proc/PID/environ``
+    is empty."""
     deadline = time.monotonic() + seconds
-    while Path(f"/proc/{pid}/comm").read_text().strip() != comm:
+
+    def ready() -> bool:
+        return (Path(f"/proc/{pid}/comm").read_text().strip() == comm
+                and Path(f"/proc/{pid}/environ").read_bytes() != b"")
+
+    while not ready():
         assert time.monotonic() < deadline, f"process {pid} never became {comm}"
         time.sleep(0.01)
 
