@@ -73,6 +73,17 @@ def test_primitives_by_hand(monkeypatch):
     across = 2 * 2 * 5e-6 + 2 * 3 / 4 * 1e6 * 1e-9
     assert cm.hierarchical_allreduce(n, lay, LINKS) == pytest.approx(
         7 * across + 2 * inside + across)
+    # where the ranks take turns on the cores, every chunk pays its three phases in turn
+    assert cm.hierarchical_allreduce(n, cm.Layout(16, 4, overlap=False), LINKS) == \
+        pytest.approx(8 * (2 * inside + across))
+    # the engine's overhead per collective: three per chunk of a node-aware sum, one for MPI's
+    # all-reduce
+    o = 1e-4
+    costly = cm.Links(LOCAL, CROSS, overhead=o)
+    assert cm.hierarchical_allreduce(n, lay, costly) == pytest.approx(
+        7 * (across + o) + 2 * (inside + o) + across + o)
+    assert cm.engine_allreduce(1e5, lay, costly) == pytest.approx(
+        cm.library_allreduce(1e5, lay, LINKS) + o)
     # the engine's all-reduce: that from 1 MiB on over full nodes; the library's below it, on
     # one node or partial nodes, and with HEATLIKE_NODE_AWARE=0
     assert cm.engine_allreduce(n, lay, LINKS) == cm.hierarchical_allreduce(n, lay, LINKS)
@@ -181,6 +192,40 @@ def test_model_payload_matches_the_engine(comm, name, monkeypatch):
     if all(getattr(s, "passthrough", False) for s in runner._grad_syncs() or [None]):
         model = 0  # one rank, lossless: nothing is handed to MPI at all
     assert measured == pytest.approx(model, rel=0.02, abs=64)
+
+
+@pytest.mark.mpi
+def test_local_step_time_waits_for_the_slowest_rank(comm):
+    """The compute the model adds is a synchronous step's: it starts on every rank together and
+    ends with the slowest, so one slow rank sets it for all."""
+    import time
+
+    class Slow(nn.Module):
+        def __init__(self, delay: float) -> None:
+            super().__init__()
+            self.linear, self.delay = nn.Linear(8, 4), delay
+
+        def forward(self, x):
+            time.sleep(self.delay)
+            return self.linear(x)
+
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    delay = 0.03 if comm.rank == comm.size - 1 else 0.0
+    seconds = cm.local_step_time(Slow(delay), x, y, 3, comm.handle)
+    assert comm.handle.allgather(seconds) == [seconds] * comm.size
+    assert 0.03 <= seconds < 1.0
+
+
+@pytest.mark.mpi
+def test_cores_per_rank_counts_every_rank_on_one_kernel(comm):
+    """The ranks of the test matrix share this machine's kernel, also on the virtual cluster's
+    nodes (own host names, one kernel): each has its cores divided by all of them."""
+    from mpi4py import MPI
+
+    from heatlike.bench._common import cores_per_rank
+
+    mine = len(os.sched_getaffinity(0)) / comm.size
+    assert cores_per_rank(comm.handle) == pytest.approx(comm.handle.allreduce(mine, op=MPI.MIN))
 
 
 # -- result records ---------------------------------------------------------------------------
@@ -624,6 +669,9 @@ def test_cluster_report_puts_the_cost_model_next_to_the_measured_step():
     expected = 2.1e-3 + (2 * 2 * 1e-5 + 2 * 3 / 4 * 4 * 5100 * 1e-9
                          + 2 * 1 * 1e-4 + 2 * 1 / 2 * 4 * 5100 * 8e-9)
     assert at_8 == pytest.approx(expected * 1e3, abs=0.05)
+    # the measured overhead per collective and ranks sharing cores enter the model
+    shared = bc.with_model([{**row, "links": {**links, "overhead": 5e-4}, "overlap": False}])[0]
+    assert shared["model_s"] == pytest.approx(rows[0]["model_s"] + 5e-4)
 
 
 def test_cluster_suite_refuses_unknown_names():
@@ -674,6 +722,9 @@ def test_cluster_suite_measures_the_links_of_a_virtual_cluster(tmp_path):
         assert 10e6 < 1 / cross["beta"] <= 1.05 * cross["rate"], cross  # a node's link
         assert r["links"]["cross"]["alpha"] > 0 and r["links"]["local"]["beta"] > 0
         assert r["compute_s"] > 0 and r["codec_s"] >= 0 and r["model_s"] > r["compute_s"]
+        assert 0 <= r["links"]["overhead"] < 0.05  # seconds per collective the engine issues
+        # the nodes share this machine's kernel and cores: 4 ranks on fewer than 4 cores
+        assert r["overlap"] == (len(os.sched_getaffinity(0)) >= 4)
     assert "# cost model at 1gbit, cnn" in stdout
     assert "| 1gbit | cnn | bf16 |" in stdout
     assert (tmp_path / "plots" / "cluster_time_to_accuracy.png").exists()

@@ -153,6 +153,26 @@ def topology_label(size: int | None = None) -> str:
     return _REAL_LAYOUT or "as launched"
 
 
+def _kernel_id() -> str:
+    """What identifies the kernel (the machine) this process runs on: its boot id, else the
+    host name. The nodes of the virtual cluster share one kernel and its cores."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return platform.node()
+
+
+def cores_per_rank(comm: MPI.Intracomm = MPI.COMM_WORLD) -> float:
+    """Collective: the fewest cores any rank has to itself: the cores a rank may run on, divided
+    by the ranks of ``comm`` on the same kernel (the nodes of the virtual cluster, each in its
+    own network namespace, count together). Below 1 the ranks take turns on the cores."""
+    kernel = _kernel_id()
+    sharing = comm.allgather(kernel).count(kernel)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return comm.allreduce((cores or 1) / sharing, op=MPI.MIN)
+
+
 def oversubscription_note(comm: MPI.Intracomm = MPI.COMM_WORLD) -> str | None:
     """Collective: a warning when more ranks than cores share this machine (latencies then
     include waiting for a core), else None."""

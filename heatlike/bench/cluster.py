@@ -26,11 +26,15 @@ Per job it reports
 
 * **model**: the cost model's step time (:mod:`heatlike.bench.costmodel`) fitted to these nodes:
   the job's own compute time (a local training step of the same model and batch, no
-  communication, all ranks at once) plus its codec time (encode and decode per step, the
+  communication, all ranks starting at once and the step ending with the slowest) plus its
+  codec time (encode and decode per step, the
   engine's codec clock) plus the modelled communication on the links measured before the jobs
   of each rate (``--job links``, :func:`measure_cluster_links`: alpha and beta inside a node;
-  between the nodes alpha, and beta of a node's link with all its ranks sending at once), and
-  ``step / model``. For DASO, whose steps differ (blocking, send, merge, local only), the
+  between the nodes alpha, and beta of a node's link with all its ranks sending the sums'
+  chunks at once; the engine's overhead per collective), and ``step / model``. Where the
+  ranks share the cores (:func:`heatlike.bench._common.cores_per_rank` below 1, as on this
+  machine) the model does not overlap the phases of a pipelined sum. For DASO, whose steps
+  differ (blocking, send, merge, local only), the
   modelled communication is the median over the steps its schedule ran (recorded from DASO's
   trace: :func:`daso_schedule`, :func:`heatlike.bench.costmodel.daso_step_times`). The same
   inputs give the projection to 8 ... 4096 ranks printed after the table (DASO: its cycling
@@ -125,6 +129,7 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     from ..engine.exchange import CODEC_CLOCK
     from ..recipes import train_task
     from ..utils import configure_threads
+    from ._common import cores_per_rank
 
     configure_threads()
     comm = MPICommunication(MPI.COMM_WORLD)
@@ -143,6 +148,7 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
     return {"algorithm": algorithm, "model": model, "parameters": parameters,
             "shapes": [list(p.shape) for p in net.parameters()],
             "layout": [comm.size, max(topo.local_sizes)],
+            "overlap": cores_per_rank(comm.handle) >= 1,
             "steps": len(result.step_times), "step_s": step, "accuracy": result.accuracy,
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
             "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
@@ -203,16 +209,22 @@ def _compute_time(net, batch: int, comm, steps: int = 12) -> float:
 def measure_cluster_links(rate_bytes_per_s: float | None = None) -> dict:
     """Collective: the cost model's links on these nodes. Node-local: alpha and beta of the ring
     ``Sendrecv`` inside a node (:func:`heatlike.bench.comm.measure_links`). Cross-node: alpha
-    of that ``Sendrecv`` between the nodes' first ranks, and beta of a node's link: every rank
-    exchanges 16 MiB with its counterpart on the other node(s) at once, as the node-aware
-    collectives do, and the node's egress carries its ranks' bytes together
-    (``beta = time / (ranks per node x bytes)``). Recorded beside it: the link's configured
-    rate (``rate_bytes_per_s``, where known) and one flow's bandwidth."""
+    of that ``Sendrecv`` between the nodes' first ranks, and beta of a node's link as the sums
+    load it: every rank exchanges messages of the node-aware sum's chunk
+    (:func:`~heatlike.engine.reducers.node_aware_chunk_bytes`) with its counterpart on the other
+    node(s) at once, and the node's egress carries its ranks' bytes together
+    (``beta = time / (ranks per node x bytes)``; on a token-bucket link two 16 MiB flows at once
+    overrun its queue and get about 70% of the rate that 1 MiB chunks get). And the engine's
+    overhead per collective: the time of the engine's all-reduce of 4 KiB over all ranks (one
+    collective, issued and tested as a gradient bucket's is) less the library all-reduce the
+    model gives it. Recorded beside them: the link's configured rate (``rate_bytes_per_s``,
+    where known) and one 16 MiB flow's bandwidth."""
     from mpi4py import MPI
 
     from ..core.communication import MPI_WORLD
     from ..core.topology import Topology
-    from .comm import BANDWIDTH_BYTES, _ring_shift_time, measure_links
+    from ..engine.reducers import node_aware_chunk_bytes
+    from .comm import _ring_shift_time, measure_links
 
     found = measure_links(quick=False)
     local, cross = found.get("local"), found.get("cross")
@@ -222,15 +234,47 @@ def measure_cluster_links(rate_bytes_per_s: float | None = None) -> dict:
     if cross is None:
         return out
     topo = Topology(MPI_WORLD)
+    chunk = node_aware_chunk_bytes()
     try:
-        concurrent = _ring_shift_time(topo.cross_comm.handle, BANDWIDTH_BYTES, 3, 5,
-                                      MPI.COMM_WORLD)
+        concurrent = _ring_shift_time(topo.cross_comm.handle, chunk, 8, 5, MPI.COMM_WORLD)
         per_node = max(topo.local_sizes)
     finally:
         topo.free()
-    out["cross"] = {"alpha": cross.alpha, "beta": concurrent / (per_node * BANDWIDTH_BYTES),
+    out["cross"] = {"alpha": cross.alpha, "beta": concurrent / (per_node * chunk),
                     "one_flow_bandwidth": cross.bandwidth, "rate": rate_bytes_per_s}
+    out["overhead"] = _engine_overhead(_links_of({"links": out}))
     return out
+
+
+def _engine_overhead(links) -> float:
+    """Collective: seconds the engine's all-reduce of 4 KiB over all ranks (an exchange of one
+    bucket) takes beyond the library all-reduce the cost model gives it on ``links`` (the
+    median of 30, slowest rank; at least 0)."""
+    import torch
+    from mpi4py import MPI
+
+    from ..core.communication import MPI_WORLD
+    from ..core.topology import get_topology
+    from ..engine.codecs import Identity
+    from ..engine.exchange import Context, Lane
+    from ..engine.reducers import AllReduce
+    from .costmodel import Layout, library_allreduce
+
+    values = torch.ones(1024)
+    lane = Lane(Identity(), AllReduce(MPI_WORLD))
+    ctx = Context(key="overhead", shapes=[values.shape], size=MPI_WORLD.size,
+                  rank=MPI_WORLD.rank)
+    times = []
+    for i in range(31):
+        MPI.COMM_WORLD.Barrier()
+        start = time.perf_counter()
+        lane.start(values, ctx).wait()
+        if i:
+            times.append(MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    lane.close()
+    layout = Layout(MPI_WORLD.size, max(get_topology(MPI_WORLD).local_sizes))
+    return max(0.0, statistics.median(times) - library_allreduce(values.numel() * 4, layout,
+                                                                   links))
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -436,7 +480,8 @@ def with_model(rows: list[dict]) -> list[dict]:
         row["model_s"] = row["model_ratio"] = None
         if not _modelled(row):
             continue
-        layout = Layout(*row.get("layout", (sum(RANKS_PER_NODE), max(RANKS_PER_NODE))))
+        layout = Layout(*row.get("layout", (sum(RANKS_PER_NODE), max(RANKS_PER_NODE))),
+                        overlap=row.get("overlap", True))
         shapes, links = Shapes.of(row["shapes"]), _links_of(row)
         if row.get("daso_schedule"):  # the median step of the run's own schedule
             comm = statistics.median(daso_step_times(shapes, layout, links,
@@ -464,7 +509,8 @@ def projection(rows: list[dict], ranks_per_node: int = 4) -> list[str]:
         lines.append(f"{'algorithm':>22} " + " ".join(f"{p:>7d}" for p in RANKS))
         for r in group:
             shapes, base = Shapes.of(r["shapes"]), r["compute_s"] + r["codec_s"]
-            steps = [base + comm_time(r["algorithm"], shapes, Layout(p, ranks_per_node), chosen)
+            steps = [base + comm_time(r["algorithm"], shapes,
+                                      Layout(p, ranks_per_node, r.get("overlap", True)), chosen)
                      for p in RANKS]
             lines.append(f"{r['algorithm']:>22} " + " ".join(f"{t * 1e3:7.1f}" for t in steps))
     return lines
@@ -484,7 +530,8 @@ def _links_of(row: dict):
     links = row["links"]
     local = links.get("local", links["cross"])
     return Links(Link(local["alpha"], local["beta"]),
-                 Link(links["cross"]["alpha"], links["cross"]["beta"]))
+                 Link(links["cross"]["alpha"], links["cross"]["beta"]),
+                 links.get("overhead", 0.0))
 
 
 def _table(rows: list[dict]) -> str:

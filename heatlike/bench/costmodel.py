@@ -16,6 +16,11 @@ bandwidth beta). There are two links: node-local (between ranks of one node) and
 suite's ring ``Sendrecv`` measurement (:func:`heatlike.bench.comm.measure_links`; on one node
 the cross-node link is taken equal to the node-local one).
 
+Overhead. Where it is measured (``bench cluster``), every collective the engine issues also costs
+its rank a fixed ``overhead`` o beyond alpha and beta (``Links.overhead``): issuing it and testing
+it from Python, and, where ranks share cores, waiting for one. A pipelined sum issues three per
+chunk.
+
 Layout. P ranks, L ranks per node (``--ranks-per-node``), N = ceil(P / L) nodes. A collective over
 all ranks that is not node-aware runs at the pace of its slowest link: the cross-node one when
 N > 1. The cross-node beta is that of a node's link (all its ranks' flows together): ``bench
@@ -71,16 +76,17 @@ every k = 4 steps)                     every k steps an all-reduce of 2m (bfloat
 =====================================  ==================================================
 
 Predicted step time = measured compute time of one step (forward, backward and local optimizer
-step of the same model and per-rank batch on one rank, no communication: weak scaling, so it does
-not change with P) + predicted communication time; no overlap is assumed, so for the
-non-blocking modes the prediction is an upper bound.
+step of the same model and per-rank batch, no communication, all ranks starting together and the
+step ending with the slowest: :func:`local_step_time`; weak scaling, so it does not change with P)
++ predicted communication time; no overlap of communication with computation is assumed, so for
+the non-blocking modes the prediction is an upper bound. Where the ranks take turns on the cores
+(``Layout.overlap`` false) the phases of a pipelined sum do not overlap each other either.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -125,8 +131,13 @@ class Link:
 
 @dataclass(frozen=True)
 class Links:
+    """The two links, and ``overhead``: seconds each collective the engine issues costs its
+    rank beyond the links' alpha and beta (issuing it, testing it from Python, waiting for a
+    core where ranks share them); 0 for a pure alpha-beta model."""
+
     local: Link
     cross: Link
+    overhead: float = 0.0
 
 
 def parse_links(spec: str) -> Links:
@@ -145,10 +156,15 @@ def parse_links(spec: str) -> Links:
 
 @dataclass(frozen=True)
 class Layout:
-    """``ranks`` ranks, ``ranks_per_node`` per node (the last node may hold fewer)."""
+    """``ranks`` ranks, ``ranks_per_node`` per node (the last node may hold fewer).
+    ``overlap``: whether the phases of a pipelined collective on different chunks run at the
+    same time (each rank has a core of its own); where ranks take turns on the cores (more ranks
+    than cores: :func:`heatlike.bench._common.cores_per_rank` below 1) the copies, sums and
+    transport work of the phases add up instead."""
 
     ranks: int
     ranks_per_node: int
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.ranks_per_node < 1:
@@ -218,7 +234,8 @@ def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links,
     nodes concurrently (their bytes share the node's link: an all-reduce of n among N ranks)
     + node-local all-gather, pipelined in chunks of ``chunk`` bytes (default the engine's,
     :func:`heatlike.engine.reducers.node_aware_chunk_bytes`): the slowest phase for every chunk
-    but one, plus all three phases of one chunk (filling and draining the pipeline)."""
+    but one, plus all three phases of one chunk (filling and draining the pipeline). Without
+    ``layout.overlap`` every chunk pays its three phases one after the other."""
     from ..engine.reducers import node_aware_chunk_bytes
 
     local, nodes = layout.local, layout.nodes
@@ -227,9 +244,12 @@ def hierarchical_allreduce(nbytes: float, layout: Layout, links: Links,
     size = nbytes / chunks
 
     def phases(n: float) -> tuple[float, float, float]:
-        inside = allgather(n / local, local, links.local)  # the reduce-scatter: same terms
-        return inside, halving_allreduce(n, nodes, links.cross), inside
+        # the reduce-scatter costs the all-gather's terms; each phase is one collective
+        inside = allgather(n / local, local, links.local) + links.overhead
+        return inside, halving_allreduce(n, nodes, links.cross) + links.overhead, inside
 
+    if not layout.overlap:
+        return chunks * sum(phases(size))
     return (chunks - 1) * max(phases(size)) + sum(phases(size))
 
 
@@ -248,7 +268,7 @@ def engine_allreduce(nbytes: float, layout: Layout, links: Links) -> float:
 
     if _node_aware(layout) and node_aware_enabled() and nbytes >= node_aware_min_bytes():
         return hierarchical_allreduce(nbytes, layout, links)
-    return library_allreduce(nbytes, layout, links)
+    return library_allreduce(nbytes, layout, links) + links.overhead
 
 
 def neighbor_exchange(nbytes: float, degree: int, link: Link) -> float:
@@ -315,7 +335,7 @@ def _hierarchical(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
 
     n = 4.0 * s.total
     if n < node_aware_min_bytes():
-        return library_allreduce(n, lay, links), n
+        return library_allreduce(n, lay, links) + links.overhead, n
     return hierarchical_allreduce(n, lay, links), n
 
 
@@ -325,7 +345,7 @@ def _half_cast(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
     n = 2.0 * s.total
     if _node_aware(lay):
         return hierarchical_allreduce(n, lay, links), n
-    return library_allreduce(n, lay, links), n
+    return library_allreduce(n, lay, links) + links.overhead, n
 
 
 def _powersgd(rank: int) -> Model:
@@ -340,7 +360,7 @@ def _powersgd(rank: int) -> Model:
 def _gather(kbytes: Callable[[Shapes], float]) -> Model:
     def model(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
         k = kbytes(s)
-        return allgather(k, lay.ranks, lay.flat_link(links)), k
+        return allgather(k, lay.ranks, lay.flat_link(links)) + links.overhead, k
     return model
 
 
@@ -354,7 +374,7 @@ def _allreduce_of(nbytes: Callable[[Shapes], float]) -> Model:
 def _gossip(s: Shapes, lay: Layout, links: Links) -> tuple[float, float]:
     degree = min(2, lay.ranks - 1)
     n = 4.0 * s.total
-    return neighbor_exchange(n, degree, lay.flat_link(links)), degree * n
+    return neighbor_exchange(n, degree, lay.flat_link(links)) + links.overhead, degree * n
 
 
 def _partial(threshold: int) -> Model:
@@ -375,9 +395,10 @@ def daso_parts(s: Shapes, lay: Layout, links: Links) -> dict[str, float]:
     bfloat16 gradient all-reduce over every rank (the engine's, as for the bf16 codec)."""
     n = 4.0 * s.total
     local, nodes = lay.local, lay.nodes
-    return {"local": halving_allreduce(n, local, links.local), "send": 0.0,
-            "cross": halving_allreduce(n / 2, nodes, links.cross),
-            "collect": allgather(n / local, local, links.local) if local > 1 else 0.0,
+    o = links.overhead
+    return {"local": halving_allreduce(n, local, links.local) + o, "send": 0.0,
+            "cross": halving_allreduce(n / 2, nodes, links.cross) + o,
+            "collect": allgather(n / local, local, links.local) + o if local > 1 else 0.0,
             "gradients": _half_cast(s, lay, links)[0]}
 
 
@@ -497,24 +518,33 @@ def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
 
 
 def local_step_time(net, x, y, steps: int, comm) -> float:
-    """Collective over the mpi4py communicator ``comm``: median seconds of a local training step
-    of ``net`` on ``(x, y)`` (forward, cross-entropy backward, SGD step with momentum; no
-    communication), all ranks computing at once as in the distributed run, slowest rank."""
+    """Collective over the mpi4py communicator ``comm``: the computation of a synchronous
+    training step of ``net`` on ``(x, y)`` (forward, cross-entropy backward, SGD step with
+    momentum) without its gradients' communication. Every step starts on all ranks at once
+    (a barrier) and ends when the slowest rank is done (an all-reduce of one value, which a
+    synchronous step's exchange also waits for): the median over the steps of that time. On
+    cores shared by several ranks the slowest rank of each step is later than the slowest
+    rank's median step."""
+    import numpy as np
     import torch
     from mpi4py import MPI
 
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
-    comm.Barrier()
+    done = np.zeros(1)
     for i in range(steps + 1):
+        comm.Barrier()
         start = time.perf_counter()
         opt.zero_grad()
         loss_fn(net(x), y).backward()
         opt.step()
+        comm.Allreduce(MPI.IN_PLACE, done)
         if i:  # the first step allocates
             times.append(time.perf_counter() - start)
-    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+    slowest = np.array(times)
+    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    return float(np.median(slowest))
 
 
 def _links_from(results, spec: str | None, quick: bool) -> tuple[Links, str]:
@@ -557,7 +587,7 @@ def run(results, quick: bool = False, algorithms: str | None = None, links: str 
     from ..core.topology import Topology
     from ..recipes import mlp
     from ..utils.launch import configure_threads
-    from ._common import describe_environment, oversubscription_note, say
+    from ._common import cores_per_rank, describe_environment, oversubscription_note, say
     from .algorithms import LARGE, LARGE_BATCH, choose_algorithms, large_step_stats
 
     comm = MPI.COMM_WORLD
@@ -569,7 +599,7 @@ def run(results, quick: bool = False, algorithms: str | None = None, links: str 
     chosen, source = _links_from(results, links, quick)
     compute = measure_compute(LARGE, LARGE_BATCH, 3 if quick else 10)
     topo = Topology(MPI_WORLD)
-    here = Layout(comm.Get_size(), max(topo.local_sizes))
+    here = Layout(comm.Get_size(), max(topo.local_sizes), overlap=cores_per_rank(comm) >= 1)
     topo.free()
     say(f"# costmodel: alpha-beta MODEL (not a measurement) of the per-step communication, "
         f"MLP {'-'.join(map(str, LARGE))} ({shapes.total / 1e6:.2f}M parameters), batch "
