@@ -217,6 +217,20 @@ def test_local_step_time_waits_for_the_slowest_rank(comm):
 
 
 @pytest.mark.mpi
+def test_step_alone_runs_the_codec_but_sends_nothing(comm):
+    """The model's local part of a job: the algorithm with every rank on its own communicator,
+    all ranks at once: the codec runs (its clock advances), nothing goes to the other ranks,
+    and every rank gets the slowest step's time."""
+    from heatlike.bench import cluster as bc
+    from heatlike.engine.exchange import CODEC_CLOCK
+
+    before = CODEC_CLOCK.seconds
+    seconds = bc._step_alone("topk-1%", bc._task("cnn"), comm.handle, steps=3)
+    assert CODEC_CLOCK.seconds > before
+    assert 0 < seconds < 5 and comm.handle.allgather(seconds) == [seconds] * comm.size
+
+
+@pytest.mark.mpi
 def test_cores_per_rank_counts_every_rank_on_one_kernel(comm):
     """The ranks of the test matrix share this machine's kernel, also on the virtual cluster's
     nodes (own host names, one kernel): each has its cores divided by all of them."""
@@ -672,6 +686,9 @@ def test_cluster_report_puts_the_cost_model_next_to_the_measured_step():
     # the measured overhead per collective and ranks sharing cores enter the model
     shared = bc.with_model([{**row, "links": {**links, "overhead": 5e-4}, "overlap": False}])[0]
     assert shared["model_s"] == pytest.approx(rows[0]["model_s"] + 5e-4)
+    # the algorithm's step without the network, where measured, replaces compute + codec
+    alone = bc.with_model([{**row, "alone_s": 3e-3}])[0]
+    assert alone["model_s"] == pytest.approx(3e-3 + library)
 
 
 def test_cluster_suite_refuses_unknown_names():

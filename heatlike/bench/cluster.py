@@ -25,20 +25,20 @@ Per job it reports
   DataParallel's own time to it ("never" when not reached within the epochs).
 
 * **model**: the cost model's step time (:mod:`heatlike.bench.costmodel`) fitted to these nodes:
-  the job's own compute time (a local training step of the same model and batch, no
-  communication, all ranks starting at once and the step ending with the slowest) plus its
-  codec time (encode and decode per step, the
-  engine's codec clock) plus the modelled communication on the links measured before the jobs
-  of each rate (``--job links``, :func:`measure_cluster_links`: alpha and beta inside a node;
-  between the nodes alpha, and beta of a node's link with all its ranks sending the sums'
-  chunks at once; the engine's overhead per collective), and ``step / model``. Where the
-  ranks share the cores (:func:`heatlike.bench._common.cores_per_rank` below 1, as on this
-  machine) the model does not overlap the phases of a pipelined sum. For DASO, whose steps
-  differ (blocking, send, merge, local only), the
-  modelled communication is the median over the steps its schedule ran (recorded from DASO's
-  trace: :func:`daso_schedule`, :func:`heatlike.bench.costmodel.daso_step_times`). The same
-  inputs give the projection to 8 ... 4096 ranks printed after the table (DASO: its cycling
-  phase).
+  the job's step without the network (the same algorithm with every rank on its own
+  communicator, all ranks at once, every step starting together and ending with the slowest:
+  compute, codec and the engine's own work; for DASO the compute of a plain local step plus
+  its codec time from the engine's codec clock) plus the modelled communication on the links
+  measured before the jobs of each rate (``--job links``, :func:`measure_cluster_links`:
+  alpha and beta inside a node; between the nodes alpha, and beta of a node's link with all
+  its ranks sending the sums' chunks at once; the engine's overhead per collective), and
+  ``step / model``. Where the ranks share the cores
+  (:func:`heatlike.bench._common.cores_per_rank` below 1, as on this machine) the model does
+  not overlap the phases of a pipelined sum. For DASO, whose steps differ (blocking, send,
+  merge, local only), the modelled communication is the median over the steps its schedule
+  ran (recorded from DASO's trace: :func:`daso_schedule`,
+  :func:`heatlike.bench.costmodel.daso_step_times`). The same inputs give the projection to
+  8 ... 4096 ranks printed after the table (DASO: its cycling phase).
 
 Figures (``--plot DIR``): ``cluster_time_to_accuracy.png``, ``cluster_step_time.png`` and
 ``cluster_link_bytes.png``: per algorithm one bar per link rate, one panel per model.
@@ -153,6 +153,8 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
             "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
             "compute_s": _compute_time(net, task.batch_size, comm.handle),
+            **({"alone_s": _step_alone(algorithm, task, comm.handle)}
+               if algorithm not in _NOT_ALONE else {}),
             "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve],
             **({"daso_schedule": daso_schedule(daso[0], len(result.step_times), skip)}
                if daso else {})}
@@ -192,6 +194,47 @@ def daso_schedule(daso, steps: int, skip: int = 0) -> dict[str, int]:
         key = "+".join(did.get(divmod(step, daso.last_batch), []))
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+#: algorithms whose step alone says nothing of their step on several nodes (DASO's phases
+#: depend on its node-local and global groups): the model adds their codec time to the compute
+_NOT_ALONE = ("daso",)
+
+
+def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
+    """Collective over the mpi4py communicator ``comm``: the job's own training step without
+    the network: ``algorithm`` with every rank alone (its communicator ``MPI_COMM_SELF``, where
+    the engine still packs, encodes and decodes what a codec changes, but sends nothing), all
+    ranks at once; each step starts on every rank together and ends with the slowest (as
+    :func:`heatlike.bench.costmodel.local_step_time`), after the compressing presets' exact
+    warm-up steps. The median over ``steps`` of that time: the computation, the codec and the
+    engine's own work on cores the ranks share."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from ..core.communication import MPICommunication
+    from ..recipes import COMPRESSION_WARMUP, make_runner
+
+    runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr, 2)
+    warmup = COMPRESSION_WARMUP + 2
+    runner.start_epoch(warmup + steps + 1)
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(task.batch_size, 64, generator=g)
+    y = torch.randint(0, 10, (task.batch_size,), generator=g)
+    done, times = np.zeros(1), []
+    for i in range(warmup + steps):
+        comm.Barrier()
+        start = time.perf_counter()
+        runner.train_step(x, y)
+        comm.Allreduce(MPI.IN_PLACE, done)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    runner.finish()
+    runner.close()
+    slowest = np.array(times)
+    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
+    return float(np.median(slowest))
 
 
 def _compute_time(net, batch: int, comm, steps: int = 12) -> float:
@@ -488,7 +531,7 @@ def with_model(rows: list[dict]) -> list[dict]:
                                                      row["daso_schedule"], row["compute_s"]))
         else:
             comm = comm_time(row["algorithm"], shapes, layout, links)
-        row["model_s"] = row["compute_s"] + row["codec_s"] + comm
+        row["model_s"] = _local_part(row) + comm
         row["model_ratio"] = row["step_s"] / row["model_s"]
     return rows
 
@@ -508,12 +551,20 @@ def projection(rows: list[dict], ranks_per_node: int = 4) -> list[str]:
                      "predicted step ms")
         lines.append(f"{'algorithm':>22} " + " ".join(f"{p:>7d}" for p in RANKS))
         for r in group:
-            shapes, base = Shapes.of(r["shapes"]), r["compute_s"] + r["codec_s"]
+            shapes, base = Shapes.of(r["shapes"]), _local_part(r)
             steps = [base + comm_time(r["algorithm"], shapes,
                                       Layout(p, ranks_per_node, r.get("overlap", True)), chosen)
                      for p in RANKS]
             lines.append(f"{r['algorithm']:>22} " + " ".join(f"{t * 1e3:7.1f}" for t in steps))
     return lines
+
+
+def _local_part(row: dict) -> float:
+    """What the model adds to the communication: the algorithm's step alone (``alone_s``:
+    compute, codec and the engine's own work, measured together), else the compute and the
+    codec time measured apart."""
+    alone = row.get("alone_s")
+    return alone if alone is not None else row["compute_s"] + row["codec_s"]
 
 
 def _modelled(row: dict) -> bool:
