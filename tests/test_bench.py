@@ -228,6 +228,9 @@ def test_step_alone_runs_the_codec_but_sends_nothing(comm):
     seconds = bc._step_alone("topk-1%", bc._task("cnn"), comm.handle, steps=3)
     assert CODEC_CLOCK.seconds > before
     assert 0 < seconds < 5 and comm.handle.allgather(seconds) == [seconds] * comm.size
+    # DASO alone, in its cycling phase (its second epoch of three)
+    seconds = bc._step_alone("daso", bc._task("cnn"), comm.handle, steps=3)
+    assert 0 < seconds < 5 and comm.handle.allgather(seconds) == [seconds] * comm.size
 
 
 @pytest.mark.mpi

@@ -27,8 +27,7 @@ Per job it reports
 * **model**: the cost model's step time (:mod:`heatlike.bench.costmodel`) fitted to these nodes:
   the job's step without the network (the same algorithm with every rank on its own
   communicator, all ranks at once, every step starting together and ending with the slowest:
-  compute, codec and the engine's own work; for DASO the compute of a plain local step plus
-  its codec time from the engine's codec clock) plus the modelled communication on the links
+  compute, codec and the engine's own work) plus the modelled communication on the links
   measured before the jobs of each rate (``--job links``, :func:`measure_cluster_links`:
   alpha and beta inside a node; between the nodes alpha, and beta of a node's link with all
   its ranks sending the sums' chunks at once; the engine's overhead per collective), and
@@ -153,8 +152,7 @@ def run_job(algorithm: str, model: str, epochs: int) -> dict:
             "payload_bytes_per_step": comm.handle.allreduce(result.bytes_per_step),
             "codec_s": comm.handle.allreduce(codec, op=MPI.MAX),
             "compute_s": _compute_time(net, task.batch_size, comm.handle),
-            **({"alone_s": _step_alone(algorithm, task, comm.handle)}
-               if algorithm not in _NOT_ALONE else {}),
+            "alone_s": _step_alone(algorithm, task, comm.handle),
             "curve": [[p.epoch, p.seconds, p.accuracy] for p in result.curve],
             **({"daso_schedule": daso_schedule(daso[0], len(result.step_times), skip)}
                if daso else {})}
@@ -196,19 +194,15 @@ def daso_schedule(daso, steps: int, skip: int = 0) -> dict[str, int]:
     return counts
 
 
-#: algorithms whose step alone says nothing of their step on several nodes (DASO's phases
-#: depend on its node-local and global groups): the model adds their codec time to the compute
-_NOT_ALONE = ("daso",)
-
-
 def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
     """Collective over the mpi4py communicator ``comm``: the job's own training step without
     the network: ``algorithm`` with every rank alone (its communicator ``MPI_COMM_SELF``, where
     the engine still packs, encodes and decodes what a codec changes, but sends nothing), all
     ranks at once; each step starts on every rank together and ends with the slowest (as
-    :func:`heatlike.bench.costmodel.local_step_time`), after the compressing presets' exact
-    warm-up steps. The median over ``steps`` of that time: the computation, the codec and the
-    engine's own work on cores the ranks share."""
+    :func:`heatlike.bench.costmodel.local_step_time`), in the second of three epochs (DASO's
+    cycling phase), after the compressing presets' exact warm-up steps in the first. The median
+    over ``steps`` of that time: the computation, the codec and the engine's own work (DASO's
+    copies of the parameters, say) on cores the ranks share."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -216,14 +210,17 @@ def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
     from ..core.communication import MPICommunication
     from ..recipes import COMPRESSION_WARMUP, make_runner
 
-    runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr, 2)
+    runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr, 3)
     warmup = COMPRESSION_WARMUP + 2
-    runner.start_epoch(warmup + steps + 1)
+    runner.start_epoch(warmup)
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(task.batch_size, 64, generator=g)
     y = torch.randint(0, 10, (task.batch_size,), generator=g)
     done, times = np.zeros(1), []
     for i in range(warmup + steps):
+        if i == warmup:
+            runner.end_epoch(1.0)
+            runner.start_epoch(steps)
         comm.Barrier()
         start = time.perf_counter()
         runner.train_step(x, y)
