@@ -163,26 +163,27 @@ def _kernel_id() -> str:
         return platform.node()
 
 
+def _ranks_and_cores(comm: MPI.Intracomm) -> tuple[int, int]:
+    """Collective: (ranks of ``comm`` on this rank's kernel, cores this rank may run on)."""
+    kernel = _kernel_id()
+    sharing = comm.allgather(kernel).count(kernel)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return sharing, cores or 1
+
+
 def cores_per_rank(comm: MPI.Intracomm = MPI.COMM_WORLD) -> float:
     """Collective: the fewest cores any rank has to itself: the cores a rank may run on, divided
     by the ranks of ``comm`` on the same kernel (the nodes of the virtual cluster, each in its
     own network namespace, count together). Below 1 the ranks take turns on the cores."""
-    kernel = _kernel_id()
-    sharing = comm.allgather(kernel).count(kernel)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return comm.allreduce((cores or 1) / sharing, op=MPI.MIN)
+    ranks, cores = _ranks_and_cores(comm)
+    return comm.allreduce(cores / ranks, op=MPI.MIN)
 
 
 def oversubscription_note(comm: MPI.Intracomm = MPI.COMM_WORLD) -> str | None:
     """Collective: a warning when more ranks than cores share this machine (latencies then
     include waiting for a core), else None."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        ranks = node.Get_size()
-    finally:
-        node.Free()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if cores and ranks > cores:
+    ranks, cores = _ranks_and_cores(comm)
+    if ranks > cores:
         return (f"note: {ranks} ranks share {cores} cores here, so measured latencies and step "
                 f"times include waiting for a core")
     return None

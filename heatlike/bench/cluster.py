@@ -198,40 +198,31 @@ def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
     """Collective over the mpi4py communicator ``comm``: the job's own training step without
     the network: ``algorithm`` with every rank alone (its communicator ``MPI_COMM_SELF``, where
     the engine still packs, encodes and decodes what a codec changes, but sends nothing), all
-    ranks at once; each step starts on every rank together and ends with the slowest (as
-    :func:`heatlike.bench.costmodel.local_step_time`), in the second of three epochs (DASO's
-    cycling phase), after the compressing presets' exact warm-up steps in the first. The median
-    over ``steps`` of that time: the computation, the codec and the engine's own work (DASO's
-    copies of the parameters, say) on cores the ranks share."""
-    import numpy as np
+    ranks at once (:func:`heatlike.bench.costmodel.synchronous_step_time`), in the second of
+    three epochs (DASO's cycling phase), after the compressing presets' exact warm-up steps in
+    the first: the computation, the codec and the engine's own work (DASO's copies of the
+    parameters, say) on cores the ranks share."""
     import torch
     from mpi4py import MPI
 
     from ..core.communication import MPICommunication
     from ..recipes import COMPRESSION_WARMUP, make_runner
+    from .costmodel import synchronous_step_time
 
     runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr, 3)
-    warmup = COMPRESSION_WARMUP + 2
-    runner.start_epoch(warmup)
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(task.batch_size, 64, generator=g)
     y = torch.randint(0, 10, (task.batch_size,), generator=g)
-    done, times = np.zeros(1), []
-    for i in range(warmup + steps):
-        if i == warmup:
-            runner.end_epoch(1.0)
-            runner.start_epoch(steps)
-        comm.Barrier()
-        start = time.perf_counter()
+    warmup = COMPRESSION_WARMUP + 2
+    runner.start_epoch(warmup)
+    for _ in range(warmup):
         runner.train_step(x, y)
-        comm.Allreduce(MPI.IN_PLACE, done)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    runner.end_epoch(1.0)
+    runner.start_epoch(steps)
+    seconds = synchronous_step_time(lambda: runner.train_step(x, y), steps, comm)
     runner.finish()
     runner.close()
-    slowest = np.array(times)
-    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    return float(np.median(slowest))
+    return seconds
 
 
 def _compute_time(net, batch: int, comm, steps: int = 12) -> float:
@@ -298,23 +289,18 @@ def _engine_overhead(links) -> float:
     from ..engine.codecs import Identity
     from ..engine.exchange import Context, Lane
     from ..engine.reducers import AllReduce
+    from ._common import timed_rounds
     from .costmodel import Layout, library_allreduce
 
     values = torch.ones(1024)
     lane = Lane(Identity(), AllReduce(MPI_WORLD))
     ctx = Context(key="overhead", shapes=[values.shape], size=MPI_WORLD.size,
                   rank=MPI_WORLD.rank)
-    times = []
-    for i in range(31):
-        MPI.COMM_WORLD.Barrier()
-        start = time.perf_counter()
-        lane.start(values, ctx).wait()
-        if i:
-            times.append(MPI.COMM_WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    seconds = timed_rounds({"engine": lambda: lane.start(values, ctx).wait()}, 1, 30,
+                           MPI.COMM_WORLD)["engine"]
     lane.close()
     layout = Layout(MPI_WORLD.size, max(get_topology(MPI_WORLD).local_sizes))
-    return max(0.0, statistics.median(times) - library_allreduce(values.numel() * 4, layout,
-                                                                   links))
+    return max(0.0, seconds - library_allreduce(values.numel() * 4, layout, links))
 
 
 # ---------------------------------------------------------------------------- the driver

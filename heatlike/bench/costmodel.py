@@ -96,7 +96,8 @@ __all__ = ["Link", "Links", "Layout", "ring_allreduce", "halving_allreduce",
            "library_allreduce", "allgather", "reduce", "bcast", "hierarchical_allreduce",
            "engine_allreduce", "neighbor_exchange", "Shapes", "MODELS", "comm_time",
            "daso_parts", "daso_step_times",
-           "payload_bytes", "predict", "parse_links", "RANKS", "run", "local_step_time"]
+           "payload_bytes", "predict", "parse_links", "RANKS", "run", "local_step_time",
+           "synchronous_step_time"]
 
 #: the predicted world sizes
 RANKS = tuple(2 ** k for k in range(3, 13))  # 8 .. 4096
@@ -517,34 +518,43 @@ def measure_compute(widths: Sequence[int], batch: int, steps: int) -> float:
     return local_step_time(mlp(list(widths), seed=0), x, y, steps, comm)
 
 
+def synchronous_step_time(step: Callable[[], object], steps: int, comm) -> float:
+    """Collective over the mpi4py communicator ``comm``: the median over ``steps`` calls of
+    ``step`` of the time from a barrier until the slowest rank is done (a one-value all-reduce
+    after the call, which a synchronous training step's exchange also waits for). On cores
+    shared by several ranks the slowest rank of each step is later than the slowest rank's
+    median step."""
+    import numpy as np
+    from mpi4py import MPI
+
+    done, times = np.zeros(1), np.empty(steps)
+    for i in range(steps):
+        comm.Barrier()
+        start = time.perf_counter()
+        step()
+        comm.Allreduce(MPI.IN_PLACE, done)
+        times[i] = time.perf_counter() - start
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return float(np.median(times))
+
+
 def local_step_time(net, x, y, steps: int, comm) -> float:
     """Collective over the mpi4py communicator ``comm``: the computation of a synchronous
     training step of ``net`` on ``(x, y)`` (forward, cross-entropy backward, SGD step with
-    momentum) without its gradients' communication. Every step starts on all ranks at once
-    (a barrier) and ends when the slowest rank is done (an all-reduce of one value, which a
-    synchronous step's exchange also waits for): the median over the steps of that time. On
-    cores shared by several ranks the slowest rank of each step is later than the slowest
-    rank's median step."""
-    import numpy as np
+    momentum) without its gradients' communication, all ranks at once
+    (:func:`synchronous_step_time`, after one untimed step that allocates)."""
     import torch
-    from mpi4py import MPI
 
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    times = []
-    done = np.zeros(1)
-    for i in range(steps + 1):
-        comm.Barrier()
-        start = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad()
         loss_fn(net(x), y).backward()
         opt.step()
-        comm.Allreduce(MPI.IN_PLACE, done)
-        if i:  # the first step allocates
-            times.append(time.perf_counter() - start)
-    slowest = np.array(times)
-    comm.Allreduce(MPI.IN_PLACE, slowest, op=MPI.MAX)
-    return float(np.median(slowest))
+
+    step()
+    return synchronous_step_time(step, steps, comm)
 
 
 def _links_from(results, spec: str | None, quick: bool) -> tuple[Links, str]:
