@@ -234,6 +234,24 @@ def test_step_alone_runs_the_codec_but_sends_nothing(comm):
 
 
 @pytest.mark.mpi
+def test_step_alone_packs_a_lossless_sum(comm, monkeypatch):
+    """A lossless sum of one rank is passed through (nothing to do), but a job of several
+    ranks packs and unpacks its buckets: the step alone of blocking DataParallel runs that
+    work, and one-rank jobs built after it pass through again."""
+    from heatlike.bench import cluster as bc
+    from heatlike.core.communication import MPI_SELF
+    from heatlike.engine import GradientSync, gradsync
+
+    exchanged = []
+    original = GradientSync._exchange
+    monkeypatch.setattr(GradientSync, "_exchange",
+                        lambda self, bucket: exchanged.append(bucket) or original(self, bucket))
+    bc._step_alone("allreduce", bc._task("cnn"), comm.handle, steps=3)
+    assert exchanged and gradsync.ONE_RANK_PASSTHROUGH
+    assert GradientSync(list(torch.nn.Linear(2, 2).parameters()), MPI_SELF).passthrough
+
+
+@pytest.mark.mpi
 def test_cores_per_rank_counts_every_rank_on_one_kernel(comm):
     """The ranks of the test matrix share this machine's kernel, also on the virtual cluster's
     nodes (own host names, one kernel): each has its cores divided by all of them."""
@@ -805,3 +823,25 @@ def test_cluster_deep_model_is_a_residual_mlp_of_fourteen_layers():
     assert [tuple(m.weight.shape) for m in linears[1:-1]] == [(640, 640)] * 12
     x = torch.randn(3, 64)
     assert net(x).shape == (3, 10) and torch.equal(net(x), again(x))
+
+
+def test_cluster_transformer_model_reads_image_rows_as_tokens():
+    """``bench cluster --models transformer``: two encoder blocks (attention and LayerNorm
+    included) over the eight rows of a digit, 894,922 parameters in 29 tensors; every image row
+    reaches the output, and two builds of one seed are the same model."""
+    import torch
+
+    from heatlike.bench import cluster as bc
+
+    task = bc._task("transformer")
+    net, again = task.build(0), task.build(0)
+    params = list(net.parameters())
+    assert len(params) == 29 and sum(p.numel() for p in params) == 894_922
+    assert sum(isinstance(m, torch.nn.MultiheadAttention) for m in net.modules()) == 2
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in net.modules()) == 4
+    x = torch.randn(3, 64)
+    out = net(x)
+    assert out.shape == (3, 10) and torch.equal(out, again(x))
+    changed = x.clone()
+    changed[:, 56:] += 1.0  # the last row only
+    assert not torch.allclose(net(changed), out)

@@ -11,7 +11,9 @@ parameters, where the links dominate) and ``cnn``, two 3x3 convolutions and two 
 (151K parameters, where computation does); on request (``--models deep``) ``deep``, a residual
 MLP of fourteen linear layers (64-640, twelve residual 640-640 blocks, 640-10: 4.97M parameters
 in 1.6 MB matrices whose gradients arrive over the whole backward pass; with small buckets,
-``HEATLIKE_BUCKET_CAP_MB=2``, it shows what overlapping communication with backward can win).
+``HEATLIKE_BUCKET_CAP_MB=2``, it shows what overlapping communication with backward can win);
+``--models transformer``: two transformer encoder blocks over a digit's eight rows as tokens
+(895K parameters in 29 tensors: attention, LayerNorm; compute-bound on these cores).
 
 Per job it reports
 
@@ -69,7 +71,7 @@ ALGORITHMS = ["allreduce", "allreduce-nonblocking", "bf16", "hierarchical", "das
 QUICK_ALGORITHMS = ["allreduce", "bf16", "hierarchical", "daso", "powersgd-2"]
 MODELS = ["mlp", "cnn"]
 #: every model a job can train (``deep`` only when asked for)
-ALL_MODELS = [*MODELS, "deep"]
+ALL_MODELS = [*MODELS, "deep", "transformer"]
 RANKS_PER_NODE = (2, 2)
 BATCH_SIZE = 32
 
@@ -105,6 +107,32 @@ def _deep(seed: int = 0):
                          nn.Linear(640, 10))
 
 
+def _transformer(seed: int = 0):
+    """The digits as 8 tokens (image rows) of 8 pixels: a linear embedding to width 192 plus a
+    learned position embedding, two post-norm ``nn.TransformerEncoderLayer`` blocks (4 heads,
+    feed-forward 768, no dropout), the tokens' mean and a linear classifier (895K parameters in
+    29 tensors, LayerNorms and attention included)."""
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self, width: int = 192) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, width)
+            self.position = nn.Parameter(torch.zeros(8, width))
+            layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=4 * width, dropout=0.0,
+                                               batch_first=True)
+            self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(width, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            tokens = self.embed(x.view(-1, 8, 8)) + self.position
+            return self.head(self.blocks(tokens).mean(dim=1))
+
+    torch.manual_seed(seed)
+    return Encoder()
+
+
 def _task(model: str):
     from ..recipes import Task, load_digits_split
 
@@ -114,6 +142,9 @@ def _task(model: str):
     if model == "deep":
         return Task("digits-residual-mlp-4.97M", data, [64, 10], batch_size=BATCH_SIZE,
                     model=_deep)
+    if model == "transformer":
+        return Task("digits-transformer-895K", data, [64, 10], batch_size=BATCH_SIZE,
+                    model=_transformer)
     return Task("digits-cnn", data, [64, 10], batch_size=BATCH_SIZE, model=_cnn)
 
 
@@ -197,7 +228,8 @@ def daso_schedule(daso, steps: int, skip: int = 0) -> dict[str, int]:
 def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
     """Collective over the mpi4py communicator ``comm``: the job's own training step without
     the network: ``algorithm`` with every rank alone (its communicator ``MPI_COMM_SELF``, where
-    the engine still packs, encodes and decodes what a codec changes, but sends nothing), all
+    the engine still packs, encodes, decodes and unpacks the buckets, but sends nothing: a
+    lossless sum is not passed through, as it is for a one-rank job), all
     ranks at once (:func:`heatlike.bench.costmodel.synchronous_step_time`), in the second of
     three epochs (DASO's cycling phase), after the compressing presets' exact warm-up steps in
     the first: the computation, the codec and the engine's own work (DASO's copies of the
@@ -206,10 +238,16 @@ def _step_alone(algorithm: str, task, comm, steps: int = 12) -> float:
     from mpi4py import MPI
 
     from ..core.communication import MPICommunication
+    from ..engine import gradsync
     from ..recipes import COMPRESSION_WARMUP, make_runner
     from .costmodel import synchronous_step_time
 
-    runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr, 3)
+    gradsync.ONE_RANK_PASSTHROUGH = False  # the packing and hooks a job of several ranks runs
+    try:
+        runner = make_runner(algorithm, task.build(0), MPICommunication(MPI.COMM_SELF), task.lr,
+                             3)
+    finally:
+        gradsync.ONE_RANK_PASSTHROUGH = True
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(task.batch_size, 64, generator=g)
     y = torch.randint(0, 10, (task.batch_size,), generator=g)
@@ -348,7 +386,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--algorithms", metavar="A,B,...",
                    help="algorithms (default: " + ",".join(ALGORITHMS).replace("%", "%%") + ")")
     p.add_argument("--models", metavar="M,...",
-                   help="mlp, cnn, deep (default: mlp,cnn)")
+                   help="mlp, cnn, deep, transformer (default: mlp,cnn)")
     p.add_argument("--epochs", type=int, default=0, help="epochs per job (default 6)")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds one job may take (default 1200)")

@@ -67,6 +67,10 @@ __all__ = ["GradientSync"]
 MiB = 1 << 20
 #: mean elements per parameter from which a bucket fuses the folded division with the copies
 _FUSE_MIN_NUMEL = 8192
+#: whether a synchronization of one rank with a lossless codec and a plain sum skips the engine
+#: (:attr:`GradientSync.passthrough`); ``heatlike.bench`` clears it to time the engine's own
+#: work on a rank without the network
+ONE_RANK_PASSTHROUGH = True
 
 
 def _complete_all(requests: dict) -> None:
@@ -159,7 +163,8 @@ class GradientSync:
         # one rank, a lossless codec and a plain sum or average: the exchange is the identity, so
         # there is nothing to do (no hooks, no copies, no collectives); .grad stays as backward
         # left it, which is what the average of one rank is
-        self.passthrough = (self.comm.size == 1 and type(self.codec) is Identity and
+        self.passthrough = (ONE_RANK_PASSTHROUGH and self.comm.size == 1 and
+                            type(self.codec) is Identity and
                             type(self.reducer) is AllReduce and
                             getattr(self.reducer, "op", None) in ("avg", "sum") and
                             not check_finite)
