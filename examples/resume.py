@@ -26,7 +26,7 @@ import torch
 
 import heatlike as hl
 from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, make_runner, mlp
-from heatlike.utils import DEVICE_CHOICES, checkpoint, select_device
+from heatlike.utils import DEVICE_CHOICES, checkpoint, configure_threads, select_device
 from heatlike.utils.data import DataLoader, Dataset
 
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                              "has a GPU, else cpu (default auto)")
     args = parser.parse_args(argv)
 
+    configure_threads()
     comm = hl.MPI_WORLD
     device = select_device(args.device, comm)
     x_train, y_train, x_test, y_test = load_digits_split()
