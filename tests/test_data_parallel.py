@@ -174,19 +174,33 @@ def test_deferred_update_happens_in_next_forward(comm, blocking):
     _same_on_all_ranks(comm, local)
 
 
-def test_only_deferred_updates_put_a_hook_on_every_layer(comm):
-    """A non-blocking optimizer's updates are applied layer by layer, from a forward hook on each
-    layer with parameters; a blocking one's model has none. Switched to non-blocking behind
-    DataParallel's back, its deferred updates are all applied as the next forward begins, so
-    every forward still sees the updated parameters."""
+def test_deferred_updates_wait_until_a_parameter_is_first_used(comm):
+    """A non-blocking optimizer's updates are applied as the next forward first uses each
+    parameter (heatlike.nn.deferred): with a bucket per parameter, fc2's update is still pending
+    while fc1 runs, and fc1's is applied by then; no hook is put on the layers."""
+    local = Net(seed=0)
+    opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=False)
+    model = DataParallel(local, comm, optimizer=opt, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    assert not [m for m in local.modules() if m is not local and m._forward_pre_hooks]
+    seen = []
+    local.fc1.register_forward_hook(lambda m, a, o: seen.append(
+        (set(opt._pending), model.grad_sync.buckets_of([local.fc1.weight, local.fc1.bias]),
+         model.grad_sync.buckets_of([local.fc2.weight]))))
+    for step in range(2):
+        x, y = _data(step, B)
+        opt.zero_grad()
+        _loss(model(x, y), y).backward()
+        opt.step()
+    pending, fc1, fc2 = seen[-1]
+    assert not pending & set(fc1)
+    if not model.grad_sync.passthrough:
+        assert set(fc2) <= pending, "fc2's update was applied before its first use"
+
+
+def test_an_optimizer_switched_to_deferred_updates_still_updates_first(comm):
+    """Switched to non-blocking behind DataParallel's back, the optimizer's deferred updates
+    are applied as the next forward begins: every forward sees the updated parameters."""
     P, r = comm.size, comm.rank
-    for blocking in (True, False):
-        local = Net(seed=0)
-        model = DataParallel(local, comm, optimizer=DataParallelOptimizer(
-            _optimizer("sgd", local), blocking=blocking))
-        hooked = [m for m in local.modules() if m is not local and m._forward_pre_hooks]
-        per_layer = not blocking and not model.grad_sync.passthrough
-        assert len(hooked) == (4 if per_layer else 0)  # fc1, fc2, extra, never
     reference = Net(seed=0)
     ref_opt = _optimizer("sgd", reference)
     local = copy.deepcopy(reference)
@@ -594,3 +608,52 @@ def test_heat_s_calls_that_heatlike_cannot_honour_say_what_to_write(comm):
         DataParallel(net, comm, two[0], blocking_parameter_updates="yes")
     with pytest.raises(ValueError, match="selects the mode of the optimizer"):
         DataParallel(net, comm, None, blocking_parameter_updates=True)
+
+
+class _UsesChildParameters(nn.Module):
+    """Parameters used without calling their module: ``nn.MultiheadAttention`` hands
+    ``out_proj.weight`` to ``F.multi_head_attention_forward``, and the head's parameters are
+    read directly (the head module is never called)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(6, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x, y=None):
+        h = self.embed(x.view(-1, 2, 3).repeat(1, 1, 2))
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return nn.functional.linear(h.mean(1), self.head.weight, self.head.bias)
+
+
+def test_deferred_updates_reach_parameters_used_without_their_module(comm):
+    """Non-blocking updates with one bucket per parameter on a model that uses parameters of
+    modules it never calls: every forward sees the updated parameters (it equals one process
+    with the combined batch, step by step), where a hook before each module would have let
+    ``out_proj`` and the head run with their old values."""
+    P, r = comm.size, comm.rank
+    reference = _UsesChildParameters(seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(local.parameters(), lr=0.1, momentum=0.9),
+                                   blocking=False)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=1e-6,
+                         first_bucket_mb=1e-6)
+    assert len(model.grad_sync.buckets) == len(list(local.parameters()))
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        out = model(x[mine])
+        with torch.no_grad():
+            torch.testing.assert_close(out, reference(x[mine]), **TOL)
+        dp_opt.zero_grad()
+        _loss(out, y[mine]).backward()
+        dp_opt.step()
+        ref_opt.zero_grad()
+        _loss(reference(x), y).backward()
+        ref_opt.step()
+    model.flush()
+    torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    _same_on_all_ranks(comm, local)

@@ -36,7 +36,8 @@ from ..engine.replicas import (
 )
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
-from .hooks import WrapperHook
+from .deferred import ApplyBeforeUse
+from .hooks import WrapperHook, compiled_parts, run_eagerly
 
 __all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_replicas",
            "verify_replicas"]
@@ -173,22 +174,15 @@ class DataParallel(torch.nn.Module):
             names=[n for n, _ in named], fold_division=True)
         if optimizer is not None:
             optimizer._attach(self)
-        # deferred updates are applied layer by layer, before each layer's forward: only a
-        # non-blocking optimizer defers them, and only on several ranks (a forward hook per
-        # layer costs about 1 us)
+        # deferred updates are applied as the next forward first uses each parameter
+        # (heatlike.nn.deferred): only a non-blocking optimizer defers them, only on several ranks
         self._per_layer = not self.grad_sync.passthrough and optimizer is not None and \
             not optimizer.blocking
-        self._handles = [module.register_forward_pre_hook(WrapperHook(self._before_forward))]
+        self._in_wrapper = False  # inside forward(): the module's own hooks leave the work to it
+        self._handles = [module.register_forward_pre_hook(WrapperHook(self._module_pre_hook))]
         if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
             return
-        self._handles.append(module.register_forward_hook(WrapperHook(self._after_forward)))
-        if not self._per_layer:
-            return
-        for sub in module.modules():
-            own = [p for p in sub.parameters(recurse=False) if p.requires_grad]
-            if own and sub is not module:
-                self._handles.append(sub.register_forward_pre_hook(WrapperHook(
-                    lambda _m, _args, own=own: self._before_layer(own))))
+        self._handles.append(module.register_forward_hook(WrapperHook(self._module_post_hook)))
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -196,7 +190,34 @@ class DataParallel(torch.nn.Module):
         if self.optimizer is None or self.optimizer.blocking:
             self.grad_sync.synchronize()
 
-    def _before_forward(self, _module, _args) -> None:
+    def _module_pre_hook(self, _module, _args) -> None:
+        if not self._in_wrapper:  # the module called directly: every pending update first
+            self._before_forward(defer=False)
+
+    def _module_post_hook(self, _module, _args, output) -> None:
+        if not self._in_wrapper:
+            self._after_forward(output)
+
+    def _enter(self, traced: bool):
+        """The start of :meth:`forward`, always run eagerly (never inside a compiled graph):
+        the checks, the buffers' synchronization and the pending updates: applied now, or, in
+        eager code, returned as the :class:`~heatlike.nn.deferred.ApplyBeforeUse` context that
+        applies each as the forward first uses its parameters. Under ``torch.compile`` (the
+        wrapper traced, ``traced``, or compiled parts inside the module) every pending update is
+        applied now: hooks and modes inside compiled code cannot be relied on."""
+        defer = self._per_layer and not traced and bool(self.optimizer._pending) and \
+            not compiled_parts(self.module)
+        self._before_forward(defer)
+        self._in_wrapper = True
+        if defer and self.optimizer._pending:
+            return _WrapperCall(self, ApplyBeforeUse(self.optimizer, self.grad_sync.buckets))
+        return None if traced else _WrapperCall(self, None)
+
+    def _leave(self, output) -> None:
+        self._in_wrapper = False
+        self._after_forward(output)
+
+    def _before_forward(self, defer: bool) -> None:
         if self.grad_sync.closed and self.training and torch.is_grad_enabled():
             raise RuntimeError("this DataParallel was closed (close()): it no longer averages "
                                "gradients; build a new one to train")
@@ -207,20 +228,12 @@ class DataParallel(torch.nn.Module):
                    if not bool(torch.isfinite(p).all())]
             if bad:  # the replicas are equal, so every rank finds the same
                 raise FloatingPointError(f"non-finite parameters {bad[:5]} (check_finite)")
-        if not self._per_layer:
-            self.flush()  # nothing is pending in blocking mode; were it switched, all of it
-        else:
-            own = [p for p in self.module.parameters(recurse=False) if p.requires_grad]
-            if own:
-                self._before_layer(own)
+        if not defer:
+            self.flush()
         if self.training and self.sync_buffers is not None and self.comm.size > 1:
             self._sync_buffers()
 
-    def _before_layer(self, params: list[torch.nn.Parameter]) -> None:
-        if self.optimizer is not None and self.optimizer._pending:
-            self.optimizer.apply(self.grad_sync.buckets_of(params))
-
-    def _after_forward(self, _module, _args, output) -> None:
+    def _after_forward(self, output) -> None:
         if self.optimizer is not None:
             self.optimizer.flush()
         if self.find_unused_parameters and self.training and torch.is_grad_enabled():
@@ -246,7 +259,14 @@ class DataParallel(torch.nn.Module):
         return None if self.optimizer is None else self.optimizer.blocking
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        deferred = run_eagerly(self._enter, torch.compiler.is_compiling())
+        if deferred is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with deferred:
+                output = self.module(*args, **kwargs)
+        run_eagerly(self._leave, output)
+        return output
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -342,18 +362,26 @@ class DataParallelMultiGPU(torch.nn.Module):
                                             on_backward_end=self._global_backward_end,
                                             fold_division=True)
             optimizer.warmup_grads = self.global_sync
-        self._handle = module.register_forward_pre_hook(WrapperHook(self._before_forward))
+        self._in_wrapper = False  # inside forward(): the module's own hook leaves the work to it
+        self._handle = module.register_forward_pre_hook(WrapperHook(self._module_pre_hook))
         # The global synchronizations in flight move on only inside MPI calls, and a phase of a
         # multi-phase exchange (the half-precision sum) starts only when its request is tested:
         # poll them before every leaf module's forward and after every gradient, so their bytes
-        # cross the link during the batches between send and merge instead of in the merge's wait.
+        # cross the link during the batches between send and merge instead of in the merge's wait
+        # (inside compiled code the leaves' polls are left out: they only help).
         leaves = [m for m in module.modules() if m is not module and not any(m.children())]
-        self._poll_handles = [m.register_forward_pre_hook(WrapperHook(self._poll))
+        self._poll_handles = [m.register_forward_pre_hook(WrapperHook(self._poll, optional=True))
                               for m in leaves] + \
             [p.register_post_accumulate_grad_hook(self._poll) for p in module.parameters()
              if p.requires_grad]
 
-    def _before_forward(self, _module, _args) -> None:
+    def _module_pre_hook(self, _module, _args) -> None:
+        if not self._in_wrapper:
+            self._before_forward()
+
+    def _before_forward(self) -> None:
+        """Which synchronization this batch's backward pass runs (DASO's schedule); always
+        run eagerly, before the module's forward, by :meth:`forward` or the module's hook."""
         self.optimizer._progress()
         warmup = self.optimizer.gradient_warmup
         if self.global_sync is not None and self.optimizer.warmup_grads is None:
@@ -385,7 +413,15 @@ class DataParallelMultiGPU(torch.nn.Module):
         self.optimizer.close()
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        run_eagerly(self._enter)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._in_wrapper = False
+
+    def _enter(self) -> None:
+        self._before_forward()
+        self._in_wrapper = True
 
     def get_extra_state(self) -> dict:
         return {"engine": self.grad_sync.state_dict() if self.grad_sync is not None else None,
@@ -397,6 +433,26 @@ class DataParallelMultiGPU(torch.nn.Module):
             self.grad_sync.load_state_dict(state["engine"])
         if self.global_sync is not None and state.get("warmup") is not None:
             self.global_sync.load_state_dict(state["warmup"])
+
+
+class _WrapperCall:
+    """The module's call inside :meth:`DataParallel.forward`: the deferred updates' mode around it
+    (or none), and, should the module raise, the wrapper's state reset (its own hooks act again
+    when the module is called directly)."""
+
+    def __init__(self, model: DataParallel, mode: ApplyBeforeUse | None) -> None:
+        self.model, self.mode = model, mode
+
+    def __enter__(self) -> None:
+        if self.mode is not None:
+            self.mode.__enter__()
+
+    def __exit__(self, kind, value, traceback) -> bool:
+        if self.mode is not None:
+            self.mode.__exit__(kind, value, traceback)
+        if kind is not None:
+            self.model._in_wrapper = False
+        return False
 
 
 def _parameters_reached(output) -> set[int]:

@@ -14,7 +14,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["WrapperHook", "InertHook"]
+import torch
+
+__all__ = ["WrapperHook", "InertHook", "run_eagerly", "compiled_parts"]
+
+
+@torch.compiler.disable(recursive=True)
+def run_eagerly(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``, never traced by ``torch.compile`` (in compiled code: a graph
+    break, and the call runs as plain Python)."""
+    return fn(*args, **kwargs)
+
+
+def compiled_parts(module: torch.nn.Module) -> bool:
+    """Whether ``torch.compile`` runs some of ``module``'s forward pass: the module or a submodule
+    is compiled (``torch.compile(m)``, ``m.compile()``) or has a compiled ``forward``. Module hooks
+    inside compiled code may be left out of the graph, or skipped altogether when a graph
+    compiled before they were registered is reused."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    for m in module.modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None \
+                or hasattr(m.forward, "_torchdynamo_orig_callable"):
+            return True
+    return False
 
 
 class InertHook:
@@ -27,15 +50,24 @@ class InertHook:
 
 
 class WrapperHook:
-    """``fn`` as a module hook whose deep copies and pickles are :class:`InertHook`."""
+    """``fn`` as a module hook whose deep copies and pickles are :class:`InertHook`.
 
-    __slots__ = ("fn",)
+    Under ``torch.compile`` a hook is never traced into a graph: it waits for communication and
+    changes parameters and flags in place, which must happen when the hook is called. An
+    essential hook runs eagerly there (the graph breaks around it); an ``optional`` one (work
+    that only helps, such as polling communication in flight) does nothing inside compiled code,
+    so that it costs no graph break."""
 
-    def __init__(self, fn: Callable) -> None:
+    __slots__ = ("fn", "optional")
+
+    def __init__(self, fn: Callable, optional: bool = False) -> None:
         self.fn = fn
+        self.optional = optional
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        if self.optional and torch.compiler.is_compiling():
+            return None
+        return run_eagerly(self.fn, *args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> InertHook:
         return InertHook()
