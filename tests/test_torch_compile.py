@@ -80,7 +80,7 @@ def _train_data_parallel(comm, net, blocking: bool, kind: str | None) -> torch.T
         opt.zero_grad()
         nn.functional.cross_entropy(call(x), y).backward()
         opt.step()
-    model.flush()
+    model.close()  # applies what is pending and frees the communicators (many tests, one job)
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()] +
                      [b.detach().reshape(-1).float() for b in net.buffers()])
 
@@ -114,6 +114,8 @@ def test_compiled_daso_trains_as_eager(comm, kind):
             for x, y in _batches(comm):
                 runner.train_step(x, y)
             runner.end_epoch(1.0)
+        runner.finish()
+        runner.close()
         return torch.cat([p.detach().reshape(-1) for p in copy.deepcopy(net).parameters()])
 
     eager = train(None)
