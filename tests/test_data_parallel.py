@@ -657,3 +657,23 @@ def test_deferred_updates_reach_parameters_used_without_their_module(comm):
     model.flush()
     torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
     _same_on_all_ranks(comm, local)
+
+
+def test_calling_the_wrapped_module_directly_applies_pending_updates_first(comm):
+    """Non-blocking updates pending, the wrapped module called directly (not through the
+    wrapper): every update is applied before its forward, which sees the updated parameters."""
+    P, r = comm.size, comm.rank
+    reference = _UsesChildParameters(seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(local.parameters(), lr=0.1), blocking=False)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    mine = slice(r * B, (r + 1) * B)
+    x, y = _data(0, P * B)
+    _loss(model(x[mine]), y[mine]).backward()
+    dp_opt.step()
+    _loss(reference(x), y).backward()
+    ref_opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(local(x[mine]), reference(x[mine]), **TOL)
+    assert not dp_opt._pending
