@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import SparseEmbedding
 from torch import nn
 
 import heatlike as hl
@@ -677,3 +678,31 @@ def test_calling_the_wrapped_module_directly_applies_pending_updates_first(comm)
     with torch.no_grad():
         torch.testing.assert_close(local(x[mine]), reference(x[mine]), **TOL)
     assert not dp_opt._pending
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_sparse_gradients_are_averaged_densely(comm, blocking):
+    """``nn.Embedding(sparse=True)``: each rank's sparse gradient enters its bucket densely and
+    the average comes back as a dense ``.grad``; the model equals one process with the combined
+    batch (whose SGD applies the sparse gradients)."""
+    P, r = comm.size, comm.rank
+    reference = SparseEmbedding(40, 6, 4)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    local = copy.deepcopy(reference)
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(local.parameters(), lr=0.5), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt)
+    mine = slice(r * B, (r + 1) * B)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        dp_opt.zero_grad()
+        _loss(model(x[mine]), y[mine]).backward()
+        dp_opt.step()
+        ref_opt.zero_grad()
+        _loss(reference(x), y).backward()
+        assert reference.table.weight.grad.is_sparse
+        ref_opt.step()
+    model.flush()
+    if not model.grad_sync.passthrough:  # one rank: .grad is what backward left
+        assert local.table.weight.grad.layout == torch.strided
+    torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    _same_on_all_ranks(comm, local)

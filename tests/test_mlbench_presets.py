@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _helpers import SparseEmbedding
 from torch import nn
 
 import heatlike as hl
@@ -739,3 +740,34 @@ def test_every_algorithm_learns_digits(comm, name):
     data = _DIGITS.setdefault("data", load_digits_split(0))
     result = train_digits(name, comm, epochs=5, data=data)
     assert result.accuracy >= 0.92, f"{name}: {result.accuracy:.4f}"
+
+
+@pytest.mark.parametrize("preset", ["centralized", "sparsified", "sparsified-shared", "sign"])
+def test_presets_take_sparse_gradients(comm, preset):
+    """``nn.Embedding(sparse=True)`` under the presets: a sparse gradient is used as its dense
+    values. CentralizedSGD equals one process with the combined batch; the compressing presets
+    train with replicas equal on every rank."""
+    P, r = comm.size, comm.rank
+    net = SparseEmbedding(30, 5, 3)
+    reference = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = {"centralized": lambda: optim.CentralizedSGD(model=net, lr=0.1, comm=comm),
+           "sparsified": lambda: optim.CentralizedSparsifiedSGD(net.parameters(), lr=0.1,
+                                                                sparse_grad_size=4, comm=comm),
+           "sparsified-shared": lambda: optim.SparsifiedSGD(net.parameters(), lr=0.1,
+                                                            sparse_grad_size=4, comm=comm),
+           "sign": lambda: optim.SignSGD(net.parameters(), lr=0.01, comm=comm)}[preset]()
+    before = _flat(net)
+    for step in range(3):
+        x, y = _data(step, P * B)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        assert reference.table.weight.grad.is_sparse
+        ref_opt.step()
+    if preset == "centralized":
+        torch.testing.assert_close(_flat(net), _flat(reference), **TOL)
+    assert not torch.equal(_flat(net), before)
+    _same_everywhere(comm, net)

@@ -73,6 +73,12 @@ _FUSE_MIN_NUMEL = 8192
 ONE_RANK_PASSTHROUGH = True
 
 
+def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether ``grad`` is the bucket's ``view`` of its parameter (a dense tensor at the same
+    address; a sparse gradient never is)."""
+    return grad is not None and grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
+
+
 def _complete_all(requests: dict) -> None:
     from mpi4py import MPI
 
@@ -304,12 +310,15 @@ class GradientSync:
             bucket.set_flag(i, 0)
         else:
             fuse = self._fold is not None and self._fused[b]
-            if grad.data_ptr() != view.data_ptr():
+            if not _is_view_of(grad, view):
+                handed = grad
+                if grad.layout != torch.strided:  # sparse (nn.Embedding(sparse=True)): dense sum
+                    grad = grad.to_dense()
                 if fuse:
                     torch.div(grad, self._fold, out=view)
                 else:
                     view.copy_(grad)
-                self._handed[(b, i)] = (grad, -1)
+                self._handed[(b, i)] = (handed, -1)
             elif fuse:
                 view.div_(self._fold)
             bucket.set_flag(i, 1)
@@ -407,8 +416,7 @@ class GradientSync:
                 if handed is not None:
                     if grad is not handed[0] or grad._version != handed[1]:
                         changed.add(self._index[id(p)])
-                elif grad is not None and grad.data_ptr() != view.data_ptr() and \
-                        bucket.flags[i] > 0:
+                elif grad is not None and not _is_view_of(grad, view) and bucket.flags[i] > 0:
                     changed.add(self._index[id(p)])
         return [self.names[i] for i in sorted(changed)]
 
@@ -497,12 +505,12 @@ class GradientSync:
             for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
                 if flag <= 0:
                     continue
-                in_bucket = p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+                in_bucket = _is_view_of(p.grad, view)
                 if not in_bucket and self.grad_as_bucket_view and p.is_contiguous():
                     p.grad = view
                 elif not in_bucket:
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
+                    if p.grad is None or p.grad.layout != torch.strided:
+                        p.grad = torch.empty_like(p)  # a sparse gradient's average is dense
                     p.grad.copy_(view)
                 used.append(p)
         for i in range(len(bucket.params)):

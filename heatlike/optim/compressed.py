@@ -152,13 +152,14 @@ class _UpdateSync(torch.optim.Optimizer):
         updates = {}
         for group, p in self._synced():
             wd, lr = group["weight_decay"], group["lr"]
+            grad = p.grad if p.grad.layout == torch.strided else p.grad.to_dense()  # sparse
             view = self.sync.view_of(p)  # the update is written into its bucket: no copies
-            if view.dtype != p.grad.dtype:
-                view = torch.empty_like(p.grad)
+            if view.dtype != grad.dtype:
+                view = torch.empty_like(grad)
             if wd:
-                torch.add(p.grad, p, alpha=wd, out=view).mul_(lr)
+                torch.add(grad, p, alpha=wd, out=view).mul_(lr)
             else:
-                torch.mul(p.grad, lr, out=view)
+                torch.mul(grad, lr, out=view)
             updates[p] = view
         self._exchange_updates(updates, tracker)
         for p in self.sync.params:
@@ -325,8 +326,11 @@ class SparsifiedSGD(_UpdateSync):
         b = buckets[0]
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         n = param.numel()
-        update = torch.zeros(n, dtype=param.dtype, device=param.device) if param.grad is None \
-            else param.grad.reshape(-1).to(param.dtype)
+        grad = param.grad
+        if grad is not None and grad.layout != torch.strided:  # sparse: its dense values
+            grad = grad.to_dense()
+        update = torch.zeros(n, dtype=param.dtype, device=param.device) if grad is None \
+            else grad.reshape(-1).to(param.dtype)
         if group["weight_decay"]:
             update = update.add(param.reshape(-1), alpha=group["weight_decay"])
         state = self.sync.codec.state_for(b)
