@@ -193,6 +193,7 @@ def test_deferred_updates_wait_until_a_parameter_is_first_used(comm):
         _loss(model(x, y), y).backward()
         opt.step()
     pending, fc1, fc2 = seen[-1]
+    model.close()  # its communicators (the matrix runs every test in one job)
     assert not pending & set(fc1)
     if not model.grad_sync.passthrough:
         assert set(fc2) <= pending, "fc2's update was applied before its first use"
@@ -220,6 +221,7 @@ def test_an_optimizer_switched_to_deferred_updates_still_updates_first(comm):
         ref_opt.zero_grad()
         _loss(reference(x, y), y).backward()
         ref_opt.step()
+    model.close()
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
@@ -655,7 +657,7 @@ def test_deferred_updates_reach_parameters_used_without_their_module(comm):
         ref_opt.zero_grad()
         _loss(reference(x), y).backward()
         ref_opt.step()
-    model.flush()
+    model.close()
     torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
     _same_on_all_ranks(comm, local)
 
@@ -678,6 +680,7 @@ def test_calling_the_wrapped_module_directly_applies_pending_updates_first(comm)
     with torch.no_grad():
         torch.testing.assert_close(local(x[mine]), reference(x[mine]), **TOL)
     assert not dp_opt._pending
+    model.close()
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
@@ -704,5 +707,6 @@ def test_sparse_gradients_are_averaged_densely(comm, blocking):
     model.flush()
     if not model.grad_sync.passthrough:  # one rank: .grad is what backward left
         assert local.table.weight.grad.layout == torch.strided
+    model.close()
     torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
     _same_on_all_ranks(comm, local)

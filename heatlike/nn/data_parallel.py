@@ -176,7 +176,7 @@ class DataParallel(torch.nn.Module):
             optimizer._attach(self)
         # deferred updates are applied as the next forward first uses each parameter
         # (heatlike.nn.deferred): only a non-blocking optimizer defers them, only on several ranks
-        self._per_layer = not self.grad_sync.passthrough and optimizer is not None and \
+        self._defers = not self.grad_sync.passthrough and optimizer is not None and \
             not optimizer.blocking
         self._in_wrapper = False  # inside forward(): the module's own hooks leave the work to it
         self._handles = [module.register_forward_pre_hook(WrapperHook(self._module_pre_hook))]
@@ -205,7 +205,7 @@ class DataParallel(torch.nn.Module):
         applies each as the forward first uses its parameters. Under ``torch.compile`` (the
         wrapper traced, ``traced``, or compiled parts inside the module) every pending update is
         applied now: hooks and modes inside compiled code cannot be relied on."""
-        defer = self._per_layer and not traced and bool(self.optimizer._pending) and \
+        defer = self._defers and not traced and bool(self.optimizer._pending) and \
             not compiled_parts(self.module)
         self._before_forward(defer)
         self._in_wrapper = True
@@ -215,7 +215,8 @@ class DataParallel(torch.nn.Module):
 
     def _leave(self, output) -> None:
         self._in_wrapper = False
-        self._after_forward(output)
+        if not self.grad_sync.passthrough:  # one rank: nothing pending, no bucket to launch
+            self._after_forward(output)
 
     def _before_forward(self, defer: bool) -> None:
         if self.grad_sync.closed and self.training and torch.is_grad_enabled():
