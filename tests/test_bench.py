@@ -759,7 +759,9 @@ def test_cluster_suite_measures_the_links_of_a_virtual_cluster(tmp_path):
         assert cross["rate"] == pytest.approx(125e6)  # 1 Gbit/s in bytes per second
         assert 10e6 < 1 / cross["beta"] <= 1.05 * cross["rate"], cross  # a node's link
         assert r["links"]["cross"]["alpha"] > 0 and r["links"]["local"]["beta"] > 0
-        assert r["compute_s"] > 0 and r["codec_s"] >= 0 and r["model_s"] > r["compute_s"]
+        # the model is the step alone (measured apart from compute_s, so either may be the
+        # larger on shared cores) plus the modelled communication
+        assert r["compute_s"] > 0 and r["codec_s"] >= 0 and r["model_s"] > r["alone_s"] > 0
         assert 0 <= r["links"]["overhead"] < 0.05  # seconds per collective the engine issues
         # the nodes share this machine's kernel and cores: 4 ranks on fewer than 4 cores
         assert r["overlap"] == (len(os.sched_getaffinity(0)) >= 4)
