@@ -26,13 +26,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["comm_buffer", "pack", "unpack", "Bucket", "plan_buckets"]
+__all__ = ["comm_buffer", "pack", "unpack", "dense", "Bucket", "plan_buckets"]
 
 _NUMPY_STORAGE = {
     torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
     torch.bfloat16: np.uint16, torch.int64: np.int64, torch.int32: np.int32,
     torch.uint8: np.uint8, torch.int8: np.int8, torch.bool: np.bool_,
 }
+
+
+def dense(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a strided tensor: a sparse gradient (``nn.Embedding(sparse=True)``) enters a
+    bucket as its dense values, so that its sum over ranks is the dense sum."""
+    return grad if grad.layout == torch.strided else grad.to_dense()
 
 
 def comm_buffer(numel: int, dtype: torch.dtype = torch.float32,

@@ -56,7 +56,7 @@ from ..core._staging import chunk_bytes
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPICommunication, Request, sanitize_comm
 from ..core.env import env_int
-from .buckets import Bucket, plan_buckets
+from .buckets import Bucket, dense, plan_buckets
 from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
 from .liveness import board_of
@@ -311,14 +311,11 @@ class GradientSync:
         else:
             fuse = self._fold is not None and self._fused[b]
             if not _is_view_of(grad, view):
-                handed = grad
-                if grad.layout != torch.strided:  # sparse (nn.Embedding(sparse=True)): dense sum
-                    grad = grad.to_dense()
                 if fuse:
-                    torch.div(grad, self._fold, out=view)
+                    torch.div(dense(grad), self._fold, out=view)
                 else:
-                    view.copy_(grad)
-                self._handed[(b, i)] = (handed, -1)
+                    view.copy_(dense(grad))
+                self._handed[(b, i)] = (grad, -1)
             elif fuse:
                 view.div_(self._fold)
             bucket.set_flag(i, 1)

@@ -27,6 +27,7 @@ from torch.optim.optimizer import required
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine import codecs
+from ..engine.buckets import dense
 from ..engine.exchange import Context
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce
@@ -152,7 +153,7 @@ class _UpdateSync(torch.optim.Optimizer):
         updates = {}
         for group, p in self._synced():
             wd, lr = group["weight_decay"], group["lr"]
-            grad = p.grad if p.grad.layout == torch.strided else p.grad.to_dense()  # sparse
+            grad = dense(p.grad)
             view = self.sync.view_of(p)  # the update is written into its bucket: no copies
             if view.dtype != grad.dtype:
                 view = torch.empty_like(grad)
@@ -326,11 +327,8 @@ class SparsifiedSGD(_UpdateSync):
         b = buckets[0]
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         n = param.numel()
-        grad = param.grad
-        if grad is not None and grad.layout != torch.strided:  # sparse: its dense values
-            grad = grad.to_dense()
-        update = torch.zeros(n, dtype=param.dtype, device=param.device) if grad is None \
-            else grad.reshape(-1).to(param.dtype)
+        update = torch.zeros(n, dtype=param.dtype, device=param.device) if param.grad is None \
+            else dense(param.grad).reshape(-1).to(param.dtype)
         if group["weight_decay"]:
             update = update.add(param.reshape(-1), alpha=group["weight_decay"])
         state = self.sync.codec.state_for(b)
