@@ -159,3 +159,38 @@ class SparseEmbedding(torch.nn.Module):
 
     def forward(self, x, y=None):
         return self.head(self.table((x.abs() * 7).long().clamp(max=self.rows - 1)).mean(1))
+
+
+def rank_order_sum(comm, x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the ranks in rank order, float16/bfloat16 accumulated in float32 and
+    rounded once (what the node-local sum defines)."""
+    rows = torch.empty((comm.size, *x.shape), dtype=x.dtype)
+    comm.Allgather(x, rows)
+    acc = rows[0].float() if x.dtype in (torch.float16, torch.bfloat16) else rows[0].clone()
+    for row in rows[1:]:
+        acc += row
+    return acc.to(x.dtype)
+
+
+def train_small_mlp(comm, blocking: bool, scope) -> list[torch.Tensor]:
+    """Four DataParallel steps of a 12-32-4 MLP in three gradient buckets inside ``scope`` (a
+    context manager: how buffers travel), on rank-specific data; the parameters after them."""
+    import heatlike as hl
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    with scope:
+        opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                             blocking=blocking)
+        model = hl.nn.DataParallel(net, comm, opt, bucket_cap_mb=600 / 2 ** 20,
+                                   first_bucket_mb=600 / 2 ** 20)  # 3 buckets
+        assert len(model.grad_sync.buckets) == 3
+        g = torch.Generator().manual_seed(comm.rank)
+        for _ in range(4):
+            x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        model(x)  # applies the last deferred update in non-blocking mode
+        model.close()
+    return [p.detach().clone() for p in net.parameters()]

@@ -10,6 +10,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
+from _helpers import train_small_mlp
 from mpi4py import MPI
 
 import heatlike as hl
@@ -197,24 +198,8 @@ def test_data_parallel_runs_staged_buckets_through_the_pipeline(comm, pipelines,
     the user), and trains bitwise the same model as with host buffers."""
 
     def train(staging):
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(),
-                                  torch.nn.Linear(32, 4))
-        scope = _staged(torch.float32) if staging else contextlib.nullcontext()
-        with scope:
-            opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                                 blocking=blocking)
-            model = hl.nn.DataParallel(net, comm, opt, bucket_cap_mb=600 / 2 ** 20,
-                                       first_bucket_mb=600 / 2 ** 20)  # 3 buckets
-            assert len(model.grad_sync.buckets) == 3
-            g = torch.Generator().manual_seed(comm.rank)
-            for _ in range(4):
-                x, y = torch.randn(8, 12, generator=g), torch.randint(0, 4, (8,), generator=g)
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            model(x)  # applies the last deferred update in non-blocking mode
-        return [p.detach().clone() for p in net.parameters()]
+        return train_small_mlp(comm, blocking, _staged(torch.float32) if staging
+                               else contextlib.nullcontext())
 
     plain = train(False)
     before = len(pipelines)
@@ -299,3 +284,44 @@ def test_a_bucket_plan_rebuilt_in_gradient_order_is_pipelined_when_it_needs_to_b
         assert buckets == [1000, 1000]
         # steps 2 to 4, two buckets each: 250 values and the use flags of their 2 parameters
         assert pipelines[before:] == [252] * 6
+
+
+def test_a_one_rank_communicator_stages_nothing(comm, pipelines, monkeypatch):
+    """On a one-rank communicator a reduction of buffers that would be staged is its input,
+    copied where it is (a device buffer never goes through host memory), and a broadcast leaves
+    the buffer alone; the results are those of MPI's one-rank operations, on every completion
+    path, for contiguous buffers, strided views and the in-place form."""
+    from heatlike.core import _buffers
+
+    alone = comm.Split(color=comm.rank)
+    try:
+        base = _values(comm, 6 * CHUNK, torch.float32)
+        monkeypatch.setattr(_buffers, "_host_like", lambda t: pytest.fail("staged a buffer"))
+        with _staged(torch.float32):
+            for send in (base.clone(), base[::2].clone(), base[::3]):
+                expected = send.clone()
+                out = torch.zeros(2 * send.numel())[::2]
+                alone.Allreduce(send, out, MPI.SUM)
+                assert torch.equal(out, expected)
+                out.zero_()
+                alone.Iallreduce(send, out, MPI.MAX).Wait()
+                assert torch.equal(out, expected)
+                out.zero_()
+                req = alone.Iallreduce(send, out, MPI.MIN)
+                while not req.Test():
+                    pass
+                assert torch.equal(out, expected)
+                inplace = send.clone()
+                alone.Allreduce(MPI.IN_PLACE, inplace, MPI.SUM)
+                assert torch.equal(inplace, expected)
+                out.zero_()
+                alone.Reduce(send, out, MPI.SUM, root=0)
+                assert torch.equal(out, expected)
+                alone.Bcast(inplace, root=0)
+                assert torch.equal(inplace, expected)
+            half = base.to(torch.bfloat16)
+            alone.Allreduce(MPI.IN_PLACE, half, MPI.SUM)
+            assert torch.equal(half, base.to(torch.bfloat16))
+        assert pipelines == []
+    finally:
+        alone.Free()

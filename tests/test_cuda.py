@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+from _helpers import rank_order_sum
 from mpi4py import MPI
 
 import heatlike as hl
@@ -151,3 +152,101 @@ def test_gpu_benchmark_suite_and_the_examples_device(comm):
     assert device.type == "cuda"
     result = train_digits("allreduce", comm, epochs=2, device=device)
     assert result.accuracy > 0.8
+
+
+@needs_cuda
+@pytest.mark.parametrize("shots", ["one", "two"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_node_sum_through_the_peers_device_memory(comm, monkeypatch, dtype, shots):
+    """Without a CUDA-aware library, ranks on one node sum device buffers through each other's
+    memory (``heatlike.core._nodereduce``: no staging, no data through MPI): the rank-order sum,
+    the same bits on every rank, for sizes around the shard boundaries and past the workspace's
+    first size, in place and into a strided view, after a producer on a side stream, blocking
+    and non-blocking on a serial communicator; in one shot and in two."""
+    from heatlike.core import _nodereduce
+
+    monkeypatch.setattr(_nodereduce, "MIN_BYTES", 0)
+    if shots == "two":
+        monkeypatch.setattr(_nodereduce, "ONE_SHOT_BYTES", 0)
+    dev = _device(comm)
+    side = torch.cuda.Stream(dev)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    with cuda_aware.assumed(False):
+        for n in (1, comm.size + 1, 1000, 2 ** 21 // itemsize + 5):
+            g = torch.Generator().manual_seed(100 * comm.rank + n)
+            host = (torch.randn(n, generator=g) * 40).to(dtype)
+            expected = rank_order_sum(comm, host)
+            for mode in ("blocking", "serial"):
+                with torch.cuda.stream(side):
+                    x = torch.zeros(n, dtype=dtype, device=dev)
+                    torch.cuda._sleep(1_000_000)  # the producer is still running at the call
+                    x += host.to(dev, non_blocking=True)
+                torch.cuda.current_stream(dev).wait_stream(side)
+                out = torch.zeros(2 * n, dtype=dtype, device=dev)[::2]
+                if mode == "blocking":
+                    comm.Allreduce(x, out, MPI.SUM)
+                    comm.Allreduce(MPI.IN_PLACE, x, MPI.SUM)
+                else:
+                    with comm.Dup(serial=True) as serial:
+                        serial.Iallreduce(x, out, MPI.SUM).Wait()
+                        req = serial.Iallreduce(MPI.IN_PLACE, x, MPI.SUM)
+                        while not req.Test():
+                            pass
+                assert torch.equal(x.cpu(), expected), (n, mode)
+                assert torch.equal(out.cpu(), expected), (n, mode)
+        shared = comm.handle.Split_type(MPI.COMM_TYPE_SHARED)
+        one_node = shared.Get_size() == comm.size
+        shared.Free()
+        if comm.size > 1:
+            assert comm._hub.node is not None and comm._hub.node.usable == one_node
+
+
+@needs_cuda
+def test_data_parallel_on_the_node_path_trains_the_staged_model(comm, monkeypatch):
+    """DataParallel's CUDA buckets summed through the peers' memory train the model that
+    staging through host memory trains (bitwise at two ranks), which is the model of one
+    process with the combined batch."""
+    from heatlike.core import _nodereduce
+
+    monkeypatch.setattr(_nodereduce, "MIN_BYTES", 0)  # the model's buckets are small
+    dev = _device(comm)
+    P, r, B = comm.size, comm.rank, 8
+
+    def batches():
+        g = torch.Generator().manual_seed(7)
+        return [(torch.randn(P * B, 12, generator=g), torch.randint(0, 4, (P * B,), generator=g))
+                for _ in range(4)]
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(12, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 4)).to(dev)
+
+    def train(node_path):
+        local = net()
+        with cuda_aware.assumed(False), _nodereduce.enabled(node_path):
+            opt = hl.optim.DataParallelOptimizer(torch.optim.SGD(local.parameters(), lr=0.1),
+                                                 blocking=True)
+            model = hl.nn.DataParallel(local, comm, opt, bucket_cap_mb=1000 / 2 ** 20)
+            for x, y in batches():
+                mine = slice(r * B, (r + 1) * B)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[mine].to(dev)),
+                                                  y[mine].to(dev)).backward()
+                opt.step()
+            model.close()
+        return [p.detach().cpu() for p in local.parameters()]
+
+    reference = net()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in batches():
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x.to(dev)), y.to(dev)).backward()
+        ref_opt.step()
+    staged, node = train(False), train(True)
+    for a, b, c in zip(staged, node, reference.parameters()):
+        if comm.size <= 2:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, c.detach().cpu(), rtol=1e-5, atol=1e-6)

@@ -913,3 +913,26 @@ def test_set_reducer_frees_the_old_channels(comm):
             torch.testing.assert_close(p.grad, torch.full((5,), (comm.size - 1) / 2))
     finally:
         sync.close()
+
+
+def test_summed_flags_are_read_only_where_this_rank_left_one_unset():
+    """A bucket whose flags travel from a host array (device and bfloat16 buckets) answers from
+    that array when this rank set every flag (each sum is then positive), and reads the summed
+    flags from the buffer otherwise."""
+    from heatlike.engine.buckets import plan_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(3)]
+    (bucket,) = plan_buckets(params, cap_bytes=2 ** 20)
+    for i in range(3):
+        bucket.set_flag(i, 1)
+    bucket.publish_flags()
+    bucket.flags.copy_(torch.tensor([2.0, 3.0, 1.0]))  # what an exchange leaves
+    assert [float(f) for f in bucket.summed_flags()] == [1.0, 1.0, 1.0]
+    bucket.set_flag(1, 0)
+    bucket.publish_flags()
+    bucket.flags.copy_(torch.tensor([2.0, 0.0, 1.0]))
+    assert [float(f) for f in bucket.summed_flags()] == [2.0, 0.0, 1.0]
+    (host,) = plan_buckets([torch.nn.Parameter(torch.zeros(2))], cap_bytes=2 ** 20)
+    host.set_flag(0, 1)  # float32 host bucket: the flag lives in the buffer itself
+    host.flags.fill_(4.0)
+    assert list(host.summed_flags()) == [4.0]

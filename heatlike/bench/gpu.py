@@ -5,26 +5,29 @@ Skipped, with the reason, unless every rank sees a GPU (each rank takes its loca
 it is CUDA-aware (device buffers handed to MPI directly) or not (staged through host memory).
 
 * **all-reduce by size** (4 KiB to 64 MiB of float32): ``MPICommunication.Allreduce`` of a CUDA
-  tensor against the same all-reduce of a host tensor, and their ratio (what staging, or the
-  library's device path, costs); where the library is CUDA-aware, also the CUDA tensor forced
-  through host staging (``heatlike.core.cuda_aware.assumed(False)``) against the direct path;
-  and the staged all-reduce in one chunk (``staging_chunk``: copy out, reduce, copy back, one
-  after the other) against the pipelined one (``heatlike.core._staging``), whose ratio is what
-  the pipeline gains;
+  tensor (the default path: direct where the library is CUDA-aware, else the node-local sum
+  through the peers' device memory where every rank is on one node, else staged) against the
+  same all-reduce of a host tensor; the CUDA tensor staged through host memory
+  (``heatlike.core.cuda_aware.assumed(False)``, the node-local sum off), pipelined
+  (``heatlike.core._staging``) and in one chunk (``staging_chunk``: copy out, reduce, copy
+  back, one after the other); and their ratios;
 * **DataParallel against DDP** on the GPU: the MLPs of the ``dp`` suite (about 100K and 5M
-  parameters, batch 32 per rank), heatlike's blocking DataParallel against PyTorch DDP on gloo
-  (DDP's CPU-communication backend, what runs alongside an MPI job), median step time and ratio;
-  at one rank also the bare model, for the cost of the wrapper.
+  parameters, batch 32 per rank), heatlike's blocking DataParallel (its default path, and
+  staged) against PyTorch DDP on gloo (DDP's CPU-communication backend, what runs alongside an
+  MPI job), median step time and ratio; at one rank also the bare model, for the cost of the
+  wrapper.
 
 Medians over interleaved rounds, each timed by its slowest rank after ``torch.cuda.synchronize``.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from mpi4py import MPI
 
-from ..core import cuda_aware
+from ..core import _nodereduce, cuda_aware
 from ..core._staging import staging_chunk
 from ..core.communication import MPI_WORLD
 from ..utils.launch import select_device
@@ -41,82 +44,85 @@ def _timed(variants: dict, iters: int, rounds: int) -> dict[str, float]:
                         finish=torch.cuda.synchronize)
 
 
-def _staged_for(device_fn, one_chunk: bool = False):
-    """``device_fn`` run with device buffers forced through host staging (``one_chunk``: not
-    pipelined)."""
+def _staged(fn, one_chunk: bool = False):
+    """``fn`` run with device buffers staged through host memory: not handed to MPI directly,
+    not summed through the peers' memory (``one_chunk``: not pipelined either)."""
     def run() -> None:
-        with cuda_aware.assumed(False):
+        with cuda_aware.assumed(False), _nodereduce.enabled(False):
             if one_chunk:
                 with staging_chunk(2 ** 62):
-                    device_fn()
+                    fn()
             else:
-                device_fn()
+                fn()
     return run
 
 
 def allreduce_by_size(results: Results, device: torch.device, quick: bool) -> None:
     comm = MPI_WORLD
-    aware = cuda_aware.cuda_aware()
-    say(f"{'size':>9} {'host ms':>9} {'cuda ms':>9} {'cuda/host':>9}"
-        + (f" {'staged ms':>10} {'direct/staged':>13}" if aware else "")
-        + f" {'1-chunk ms':>10} {'staged/1-chunk':>14}")
+    say(f"{'size':>9} {'host ms':>9} {'cuda ms':>9} {'cuda/host':>9} {'staged ms':>10} "
+        f"{'cuda/staged':>11} {'1-chunk ms':>10} {'staged/1-chunk':>14}")
     for kib in SIZES_KIB[:3] if quick else SIZES_KIB:
         n = kib * 256
         host = torch.ones(n)
         dev = torch.ones(n, device=device)
         variants = {"host": lambda t=host: comm.Allreduce(MPI.IN_PLACE, t, MPI.SUM),
                     "cuda": lambda t=dev: comm.Allreduce(MPI.IN_PLACE, t, MPI.SUM)}
-        if aware:
-            variants["staged"] = _staged_for(variants["cuda"])
-        variants["one chunk"] = _staged_for(variants["cuda"], one_chunk=True)
+        variants["staged"] = _staged(variants["cuda"])
+        variants["one chunk"] = _staged(variants["cuda"], one_chunk=True)
         med = _timed(variants, 3 if quick else 10, 3 if quick else 7)
-        ratio = med["cuda"] / med["host"]
         case = f"{kib} KiB"
         for name, seconds in med.items():
             results.add("gpu", case, f"allreduce {name} time", seconds * 1e3, "ms")
-        results.add("gpu", case, "allreduce cuda/host", ratio, "ratio")
-        line = f"{case:>9} {med['host'] * 1e3:9.3f} {med['cuda'] * 1e3:9.3f} {ratio:9.2f}"
-        if aware:
-            direct = med["cuda"] / med["staged"]
-            results.add("gpu", case, "allreduce direct/staged", direct, "ratio")
-            line += f" {med['staged'] * 1e3:10.3f} {direct:13.2f}"
-        gain = med["staged" if aware else "cuda"] / med["one chunk"]
-        results.add("gpu", case, "allreduce staged/one chunk", gain, "ratio")
-        say(f"{line} {med['one chunk'] * 1e3:10.3f} {gain:14.2f}")
+        ratios = {"cuda/host": med["cuda"] / med["host"],
+                  "cuda/staged": med["cuda"] / med["staged"],
+                  "staged/one chunk": med["staged"] / med["one chunk"]}
+        for name, ratio in ratios.items():
+            results.add("gpu", case, f"allreduce {name}", ratio, "ratio")
+        say(f"{case:>9} {med['host'] * 1e3:9.3f} {med['cuda'] * 1e3:9.3f} "
+            f"{ratios['cuda/host']:9.2f} {med['staged'] * 1e3:10.3f} "
+            f"{ratios['cuda/staged']:11.2f} {med['one chunk'] * 1e3:10.3f} "
+            f"{ratios['staged/one chunk']:14.2f}")
 
 
 def _stepper(kind: str, widths: list[int], x: torch.Tensor, y: torch.Tensor):
-    """One training step of the ``dp`` suite's ``kind`` ("heatlike" blocking, "ddp", "bare")
-    of the MLP ``widths`` on ``x``'s device."""
-    model, opt, _ = _trainer({"heatlike": "heatlike-blocking"}.get(kind, kind), widths,
-                             x.device)
+    """One training step of the ``dp`` suite's ``kind`` ("heatlike" blocking, "staged": the
+    same with device buffers staged through host memory, "ddp", "bare") of the MLP ``widths``
+    on ``x``'s device."""
+    scope = _nodereduce.enabled(False) if kind == "staged" else contextlib.nullcontext()
+    with scope:
+        model, opt, _ = _trainer({"heatlike": "heatlike-blocking",
+                                  "staged": "heatlike-blocking"}.get(kind, kind), widths,
+                                 x.device)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    return step
+    return step if kind != "staged" else _staged(step)
 
 
 def data_parallel_against_ddp(results: Results, device: torch.device, quick: bool) -> None:
     comm = MPI_WORLD
     init_gloo(comm.handle)
-    say(f"{'model':>9} {'heatlike ms':>12} {'DDP ms':>9} {'heatlike/DDP':>12}"
-        + (f" {'bare ms':>9} {'heatlike/bare':>13}" if comm.size == 1 else ""))
+    alone = comm.size == 1
+    say(f"{'model':>9} {'heatlike ms':>12} {'staged ms':>10} {'DDP ms':>9} {'heatlike/DDP':>12} "
+        f"{'staged/DDP':>10}" + (f" {'bare ms':>9} {'heatlike/bare':>13}" if alone else ""))
     for name, widths in MODELS.items():
         g = torch.Generator().manual_seed(comm.rank)
         x = torch.randn(32, widths[0], generator=g).to(device)
         y = torch.randint(0, widths[-1], (32,), generator=g).to(device)
-        kinds = ["heatlike", "ddp"] + (["bare"] if comm.size == 1 else [])
+        kinds = ["heatlike", "staged", "ddp"] + (["bare"] if alone else [])
         med = _timed({k: _stepper(k, widths, x, y) for k in kinds}, 5 if quick else 10,
                      3 if quick else 7)
-        ratio = med["heatlike"] / med["ddp"]
         for kind, seconds in med.items():
             results.add("gpu", name, f"{kind} step time", seconds * 1e3, "ms")
+        ratio, staged = med["heatlike"] / med["ddp"], med["staged"] / med["ddp"]
         results.add("gpu", name, "heatlike/ddp", ratio, "ratio")
-        line = f"{name:>9} {med['heatlike'] * 1e3:12.3f} {med['ddp'] * 1e3:9.3f} {ratio:12.2f}"
-        if "bare" in med:
+        results.add("gpu", name, "staged/ddp", staged, "ratio")
+        line = (f"{name:>9} {med['heatlike'] * 1e3:12.3f} {med['staged'] * 1e3:10.3f} "
+                f"{med['ddp'] * 1e3:9.3f} {ratio:12.2f} {staged:10.2f}")
+        if alone:
             results.add("gpu", name, "heatlike/bare", med["heatlike"] / med["bare"], "ratio")
             line += f" {med['bare'] * 1e3:9.3f} {med['heatlike'] / med['bare']:13.2f}"
         say(line)
@@ -135,4 +141,8 @@ def run(results: Results, quick: bool = False) -> None:
         f"{describe_environment(comm.handle)}; CUDA-aware MPI: "
         f"{'yes' if aware else 'no (device buffers staged through host memory)'}")
     allreduce_by_size(results, device, quick)
+    node = comm._hub.node
+    if not aware and comm.size > 1:
+        say("# node-local sums through the peers' device memory: "
+            f"{'yes' if node is not None and node.usable else 'no (staged)'}")
     data_parallel_against_ddp(results, device, quick)

@@ -215,15 +215,17 @@ class Hub:
     """What heatlike keeps for one MPI communicator, shared by every wrapper of it: its board
     (once set up), whether the board is *watched* (a gradient synchronization runs on the
     communicator: every collective is verified and polled), the fast paths' counter (a view of
-    this rank's position in the board's window) and the training-step board."""
+    this rank's position in the board's window), the training-step board and the node-local
+    reduction's workspaces."""
 
-    __slots__ = ("board", "watched", "count", "steps", "__weakref__")
+    __slots__ = ("board", "watched", "count", "steps", "node", "__weakref__")
 
     def __init__(self) -> None:
         self.board: Board | None = None
         self.watched = False
         self.count = None
         self.steps = None
+        self.node = None  # the node-local reduction's set-up (heatlike.core._nodereduce)
 
 
 def hub(handle: MPI.Comm) -> Hub:

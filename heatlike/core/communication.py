@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import _buffers, _requests, _staging
+from . import _buffers, _nodereduce, _requests, _staging
 from . import _halfreduce as _half
 from . import checks as _checks
 from ._buffers import (
@@ -245,6 +245,22 @@ def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
     if n and sa < ra + rmem.nbytes and ra < sa + smem.nbytes:
         return None
     return [smem, n, mtype], [rmem, n, mtype]
+
+
+def _one_rank_local(comm: MPICommunication, send: torch.Tensor | None, recv: torch.Tensor,
+                    back: Callable[[], None] | None) -> bool:
+    """A reduction over one rank of buffers that would be staged (device memory without a
+    CUDA-aware library) is its input: copied on the device (nothing when in place) instead of
+    staged through host memory and handed to MPI. Whether it applies is the same on the rank
+    that calls it, the only one. Returns whether it was done."""
+    if comm.size != 1 or not (_buffers.staged(recv) or (send is not None and
+                                                        _buffers.staged(send))):
+        return False
+    if send is not None:
+        recv.copy_(send)
+    if back is not None:
+        back()
+    return True
 
 
 def _pipelines(recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
@@ -734,12 +750,17 @@ class MPICommunication:
         topology = self.__dict__.pop("_topology", None)  # get_topology's, derived from this one
         if topology is not None and self._finalizer.alive:
             topology.free()
-        self._release_board()
+        self._release_hub()
         self._finalizer()
 
-    def _release_board(self) -> None:
+    def _release_hub(self) -> None:
+        """Collective, as freeing the communicator: the node-local reduction's workspaces and
+        the board."""
+        if self._finalizer is None or not self._finalizer.alive:
+            return
+        _nodereduce.release(self._hub)
         board = self._hub.board
-        if board is not None and self._finalizer is not None and self._finalizer.alive:
+        if board is not None:
             board.release(f"freeing {self!r}")
 
     @property
@@ -751,7 +772,7 @@ class MPICommunication:
 
     def __exit__(self, *exc) -> None:
         if self._finalizer is not None:
-            self._release_board()
+            self._release_hub()
             self._finalizer()
 
     # -- point to point ----------------------------------------------------------------------
@@ -809,6 +830,8 @@ class MPICommunication:
         """Copy ``buf`` of ``root`` into ``buf`` of every rank."""
         root = self._check_root(root)
         t, back = as_tensor(buf, "buf", write=self.rank != root)
+        if self.size == 1 and _buffers.staged(t):
+            return  # the root's buffer is the result: nothing to stage
         if self.rank == root:
             b, fin = readable(t), None
         else:
@@ -833,6 +856,8 @@ class MPICommunication:
                 _no_alias(send, recv, "Reduce")
         reduction_type((recv if send is None else send).dtype, op)
         op = mpi_op((recv if send is None else send).dtype, op)
+        if _one_rank_local(self, send, recv, back):
+            return
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -856,17 +881,25 @@ class MPICommunication:
         reduction_type(recv.dtype, op)
         op = mpi_op(recv.dtype, op)
         send = _same_size_send(sendbuf, recv, "Allreduce")
-        if _pipelines(recv, send, op, blocking or self.serial or _requests.settled):
-            # contiguous temporaries for strided views: the choice to pipeline must not depend
-            # on a rank's own layout (ranks choosing differently would issue other collectives)
+        if _one_rank_local(self, send, recv, back):
+            return
+        settled = blocking or self.serial or _requests.settled
+        node = _nodereduce.applies(self, recv, send, op, settled)
+        if node or _pipelines(recv, send, op, settled):
+            # contiguous temporaries for strided views: the choice of path must not depend on a
+            # rank's own layout (ranks choosing differently would issue other collectives)
             target = recv if recv.is_contiguous() else recv.contiguous()
-            source = target if send is None else send.contiguous()
-            chunk = max(1, _staging.chunk_bytes() // recv.element_size())
-            pipe = _staging.Pipeline(self.handle, source, target, op, mpi_type(recv.dtype), chunk)
-            if blocking:
-                pipe.Wait()
+            if node:
+                phases = _nodereduce.NodeAllreduce(self, target if send is None else send, target)
             else:
-                yield pipe
+                source = target if send is None else send.contiguous()
+                chunk = max(1, _staging.chunk_bytes() // recv.element_size())
+                phases = _staging.Pipeline(self.handle, source, target, op, mpi_type(recv.dtype),
+                                           chunk)
+            if blocking:
+                phases.Wait()
+            else:
+                yield phases
             if target is not recv:
                 recv.copy_(target)
             if back is not None:

@@ -119,10 +119,16 @@ class Bucket:
         # flags are set once per gradient: through a numpy view of the buffer where numpy has
         # the type (0.1 us, against 1.4 us for a torch indexing call on the CPU and a kernel
         # launch on a GPU), else in a host array copied into the buffer once, at the launch
+        # (page-locked for a device bucket: the copy is queued, not waited for)
         self._flags_in_place = self.flags.device.type == "cpu" and \
             self.flags.dtype in (torch.float32, torch.float64, torch.float16)
-        self._flag_view = self.flags.numpy() if self._flags_in_place else \
-            np.zeros(self.flags.numel(), np.float32)
+        self._flag_host = None
+        if self._flags_in_place:
+            self._flag_view = self.flags.numpy()
+        else:
+            host = torch.zeros(self.flags.numel(), dtype=torch.float32)
+            self._flag_host = host.pin_memory() if self.flags.is_cuda else host
+            self._flag_view = self._flag_host.numpy()
 
     def set_flag(self, i: int, value: int) -> None:
         """Set parameter i's flag (in the buffer after :meth:`publish_flags`)."""
@@ -131,7 +137,17 @@ class Bucket:
     def publish_flags(self) -> None:
         """Make the flags set so far part of the buffer (before it is communicated)."""
         if not self._flags_in_place:
-            self.flags.copy_(torch.from_numpy(self._flag_view))
+            # queued on a device: the host array is next written in the next cycle, after
+            # this exchange (which follows the copy on the stream) has completed
+            self.flags.copy_(self._flag_host, non_blocking=self.flags.is_cuda)
+
+    def summed_flags(self) -> Sequence[float]:
+        """The flags after the exchange, read on the host. Where this rank set every flag, each
+        sum is positive whatever the others sent, so a device bucket is not read (a read would
+        wait for the whole exchange and the copies queued before it)."""
+        if self._flags_in_place or not self._flag_view.all():
+            return self.flags.tolist()
+        return self._flag_view
 
     @property
     def values(self) -> torch.Tensor:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch.autograd import Variable
 
+from ..core import _nodereduce
 from ..core import checks as _checks
 from ..core._buffers import staged
 from ..core._staging import chunk_bytes
@@ -349,10 +350,13 @@ class GradientSync:
         return self.lane.start(bucket.values, ctx, bucket.flags, scaled=scaled)
 
     def _pipelined(self) -> bool:
-        """Whether a bucket is staged through host memory in several chunks (the same on every
-        rank: staging was agreed at construction, bucket sizes are equal)."""
+        """Whether a bucket's exchange has phases of its own: staged through host memory in
+        several chunks, or summed through the node's shared memory (``_nodereduce``); such
+        exchanges run one at a time on a private channel. The same on every rank: staging was
+        agreed at construction, bucket sizes are equal."""
         return self.comm.size > 1 and any(
-            staged(b.buffer) and b.buffer.numel() * b.buffer.element_size() > chunk_bytes()
+            staged(b.buffer) and (b.buffer.numel() * b.buffer.element_size() > chunk_bytes()
+                                  or _nodereduce.possible(b.buffer))
             for b in self.buckets)
 
     def set_reducer(self, reducer: Reducer) -> None:
@@ -499,7 +503,8 @@ class GradientSync:
             self._fail_nonfinite(bucket)
         used = []
         with torch.no_grad():
-            for p, view, flag in zip(bucket.params, bucket.views, bucket.flags.tolist()):
+            for p, view, flag in zip(bucket.params, bucket.views,
+                                             bucket.summed_flags()):
                 if flag <= 0:
                     continue
                 in_bucket = _is_view_of(p.grad, view)

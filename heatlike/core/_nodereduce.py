@@ -1,0 +1,502 @@
+"""Node-local all-reduce through the peers' memory: device buffers summed on the device.
+
+Without a CUDA-aware MPI library a device buffer is staged: copied to host memory, reduced by
+MPI there, copied back. When every rank of the communicator runs on one node, each rank can
+instead map its peers' device memory (CUDA IPC) and the sum needs neither host memory nor MPI
+data transfers: MPI carries only two barriers.
+
+Every rank keeps a *workspace* of two slots in its own device memory, mapped once into every
+peer (handles exchanged with an all-gather; the workspace grows, collectively, to the largest
+buffer seen). Protocol of the communicator's k-th such all-reduce of n elements over P ranks,
+slot s = k mod 2:
+
+1. rank r copies its input into slot s of its workspace, W_r[s], and waits for the copy (an
+   event on the current stream, which produced the input);
+2. barrier: every input is in place;
+3. *one shot* (when it reads at most :data:`ONE_SHOT_BYTES` of the peers' memory, n (P-1)
+   elements): rank r sums all of ``W_0[s] + W_1[s] + ...`` in rank order into its output (float32
+   accumulation for float16/bfloat16, one rounding at the end, as the staged half-type
+   reduction); the operation is complete when that is. One barrier, one wait for the device.
+
+   *Two shots* (larger sums: each rank reads about 2n elements instead of P n): rank r sums only
+   shard r (n/P elements, :func:`~heatlike.core.chunking.counts_displs`) in rank order and writes
+   it into ``W_r[s][shard r]``, a range no other rank reads in this phase, and waits for it;
+   barrier: every shard is summed; rank r copies shard q of W_q[s] into its output for every q.
+
+Every rank gets bitwise the same result: the same rank-order sum of every element, computed by
+one rank (two shots) or by every rank with the same operations (one shot). No barrier closes the
+operation: reduction k+1 writes the other slot, and before any rank writes slot s again
+(reduction k+2) it has passed the first barrier of reduction k+1, which every rank enters only
+after its copy for k+1 is complete, queued on its stream after its reads of reduction k. That is
+why the path is only taken where one such operation at a time runs on the communicator
+(blocking calls, or non-blocking ones on a ``serial`` communicator: the engine's private
+channels), and why the slot counter, the workspace size, one shot or two, and the decision to
+use the path must be the same on every rank: they depend only on what every rank's call shares
+(size, dtype, op, device kind) and on collective agreement at set-up.
+
+Where it applies (:func:`applies`): MPI.SUM of a staged buffer (device memory without a
+CUDA-aware library) of a numeric dtype and at least :data:`MIN_BYTES`, on a communicator of
+several ranks that share one node (``MPI_Comm_split_type(SHARED)``), whose GPUs each rank can
+reach (the same GPU, or a peer GPU visible to the process with peer access), with the CUDA
+runtime found in the process; set-up failures on any rank (a handle that does not open, a
+mapping torch does not take as it is) turn the path off on every rank, agreed, and are logged.
+``HEATLIKE_NODE_REDUCE=0`` or :func:`enabled` (False) turn it off. Other ops, dtypes and sizes
+are staged as before.
+
+Without a GPU the same protocol runs on host tensors under ``force_staging`` with
+:func:`host_mode` (the workspaces are an MPI shared-memory window), which is how the suite tests
+it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+from collections.abc import Iterator
+
+import torch
+from mpi4py import MPI
+
+from . import _buffers
+from .chunking import counts_displs
+from .env import env_flag
+from .log import get_logger
+
+__all__ = ["applies", "possible", "enabled", "host_mode", "NodeAllreduce", "release",
+           "ONE_SHOT_BYTES", "MIN_BYTES"]
+
+_SUM = MPI.SUM.py2f()
+_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                     torch.int16, torch.int32, torch.int64, torch.uint8, torch.complex64,
+                     torch.complex128})
+_HALF = (torch.float16, torch.bfloat16)
+_ALIGN = 1 << 21  # workspace slots grow in 2 MiB steps
+_SEVERAL_NODES = "the ranks are on several nodes"
+
+#: a sum that reads at most this many bytes of the peers' workspaces is done in one shot
+ONE_SHOT_BYTES = 16 << 20
+#: smaller buffers are staged: with ranks sharing a GPU, each wait for the device waits for
+#: the other processes' time slices (about 0.4 ms at 2 ranks on an H100), which a staged copy
+#: through the copy engine does not
+MIN_BYTES = 1 << 20
+
+_log = get_logger("heatlike.communication")
+_override: bool | None = None
+_host = False
+
+
+@contextlib.contextmanager
+def enabled(on: bool) -> Iterator[None]:
+    """Inside the block, use the node-local path where it applies (``True``) or never
+    (``False``), whatever ``HEATLIKE_NODE_REDUCE`` says (benchmarks: against staging)."""
+    global _override
+    old, _override = _override, bool(on)
+    try:
+        yield
+    finally:
+        _override = old
+
+
+@contextlib.contextmanager
+def host_mode() -> Iterator[None]:
+    """Test aid: inside the block (with ``force_staging``) host tensors take the node-local path,
+    their workspaces in an MPI shared-memory window instead of device memory."""
+    global _host
+    old, _host = _host, True
+    try:
+        yield
+    finally:
+        _host = old
+
+
+def _on() -> bool:
+    if _override is not None:
+        return _override
+    return bool(env_flag("HEATLIKE_NODE_REDUCE", True))
+
+
+def possible(t: torch.Tensor) -> bool:
+    """Whether reductions of ``t``'s kind may take the node-local path (what every rank's call
+    shares; the communicator is checked by :func:`applies`)."""
+    if not _on() or t.dtype not in _DTYPES or not _buffers.staged(t) or \
+            t.numel() * t.element_size() < MIN_BYTES:
+        return False
+    return t.is_cuda or (_host and t.device.type == "cpu")
+
+
+def applies(comm, recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
+            settled: bool) -> bool:
+    """Whether this all-reduce takes the node-local path. Collective the first time it says yes
+    on a communicator (the set-up: where the ranks are, the devices, the runtime)."""
+    if not settled or comm.size < 2 or op.py2f() != _SUM or not possible(recv):
+        return False
+    if send is not None and (send.dtype is not recv.dtype or not _buffers.staged(send)):
+        return False
+    node = _node(comm, recv)
+    return node.usable and node.ensure(recv.numel() * recv.element_size())
+
+
+# ---------------------------------------------------------------------------- CUDA runtime
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Runtime:
+    """The few CUDA runtime calls torch does not expose: device memory of our own and its IPC
+    handles (the runtime torch loaded, found in the process's mappings)."""
+
+    def __init__(self) -> None:
+        lib = None
+        for path in _loaded_libraries("libcudart") + [ctypes.util.find_library("cudart")]:
+            if path:
+                with contextlib.suppress(OSError):
+                    lib = ctypes.CDLL(path)
+                    break
+        if lib is None:
+            raise OSError("the CUDA runtime library (libcudart) is not loaded in this process")
+        self.lib = lib
+        lib.cudaMalloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t]
+        lib.cudaFree.argtypes = [ctypes.c_void_p]
+        lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_void_p]
+        lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle,
+                                             ctypes.c_uint]
+        lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        for name in ("cudaMalloc", "cudaFree", "cudaIpcGetMemHandle", "cudaIpcOpenMemHandle",
+                     "cudaIpcCloseMemHandle"):
+            getattr(lib, name).restype = ctypes.c_int
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: {self.lib.cudaGetErrorString(rc).decode()} ({rc})")
+
+    def malloc(self, nbytes: int) -> int:
+        ptr = ctypes.c_void_p()
+        self._check(self.lib.cudaMalloc(ctypes.byref(ptr), nbytes), "cudaMalloc")
+        return int(ptr.value)
+
+    def free(self, ptr: int) -> None:
+        self._check(self.lib.cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
+
+    def handle(self, ptr: int) -> bytes:
+        h = _IpcHandle()
+        self._check(self.lib.cudaIpcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(ptr)),
+                    "cudaIpcGetMemHandle")
+        return bytes(h)
+
+    def open(self, handle: bytes) -> int:
+        ptr = ctypes.c_void_p()
+        h = _IpcHandle.from_buffer_copy(handle)
+        self._check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), h, 1),  # lazy peer access
+                    "cudaIpcOpenMemHandle")
+        return int(ptr.value)
+
+    def close(self, ptr: int) -> None:
+        self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
+
+
+def _loaded_libraries(prefix: str) -> list[str]:
+    paths: list[str] = []
+    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
+        for line in f:
+            path = line.rsplit(" ", 1)[-1].strip()
+            name = os.path.basename(path)
+            if name.startswith(prefix) and ".so" in name and path not in paths:
+                paths.append(path)
+    return paths
+
+
+_runtime: _Runtime | None = None
+
+
+def _cudart() -> _Runtime:
+    global _runtime
+    if _runtime is None:
+        _runtime = _Runtime()
+    return _runtime
+
+
+class _DeviceMemory:
+    """``nbytes`` of device memory at ``ptr`` as seen by torch (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def _wrap(ptr: int, nbytes: int) -> torch.Tensor:
+    t = torch.as_tensor(_DeviceMemory(ptr, nbytes))
+    if t.data_ptr() != ptr or not t.is_cuda:
+        raise RuntimeError("torch copied the mapped memory instead of viewing it")
+    return t
+
+
+# ---------------------------------------------------------------------------- workspaces
+
+
+class _Node:
+    """The node-local set-up of one communicator: whether the path is usable (agreed by every
+    rank) and the workspaces (this rank's and views of its peers', two slots each)."""
+
+    def __init__(self, comm, device: torch.device) -> None:
+        self.handle: MPI.Intracomm = comm.handle
+        self.rank, self.size = comm.rank, comm.size
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slot_bytes = 0
+        self.count = 0  # reductions so far: slot = count % 2
+        self.views: list[torch.Tensor] = []  # rank order; views[rank] is this rank's workspace
+        self._own_ptr: int | None = None
+        self._peer_ptrs: list[int] = []
+        self._win: MPI.Win | None = None
+        self.last = None  # event after this rank's last reads of the workspaces (device)
+        reason, uuid, visible, mine = "", "", {}, -1
+        try:  # local facts first: every rank then enters the same collectives
+            if self.cuda:
+                uuid = str(torch.cuda.get_device_properties(device).uuid)
+                visible = {str(torch.cuda.get_device_properties(i).uuid): i
+                           for i in range(torch.cuda.device_count())}
+                mine = device.index
+                _cudart()
+        except Exception as exc:  # noqa: BLE001 - any failure turns the path off, agreed below
+            reason = f"{type(exc).__name__}: {exc}"
+        shared = self.handle.Split_type(MPI.COMM_TYPE_SHARED)
+        one_node = shared.Get_size() == self.size
+        shared.Free()
+        uuids = self.handle.allgather(uuid) if self.cuda else []
+        if not one_node:
+            reason = reason or _SEVERAL_NODES
+        for peer in uuids:
+            index = visible.get(peer)
+            if reason:
+                break
+            if index is None:
+                reason = "a peer's GPU is not visible to this process"
+            elif index != mine and not torch.cuda.can_device_access_peer(mine, index):
+                reason = "a peer's GPU cannot be reached with peer access"
+        self.usable = self._agree(reason)
+
+    def _agree(self, reason: str) -> bool:
+        """Collective: True where every rank's reason is empty (a reason other than the ranks'
+        being on several nodes is logged)."""
+        self.reason = reason
+        if reason and reason != _SEVERAL_NODES:
+            _log.info(f"node-local sums of device buffers off on this communicator: {reason}")
+        return bool(self.handle.allreduce(0 if reason else 1, op=MPI.MIN))
+
+    def ensure(self, nbytes: int) -> bool:
+        """Collective (every rank asks for the same size): slots of at least ``nbytes``. Returns
+        whether the path is (still) usable."""
+        if nbytes <= self.slot_bytes or not self.usable:
+            return self.usable
+        slot = -(-nbytes // _ALIGN) * _ALIGN
+        self._settle()  # this rank's reads of the peers' old workspaces are over
+        old = (self._own_ptr, self._peer_ptrs, self._win)
+        reason = ""
+        try:
+            self._allocate(slot)
+        except Exception as exc:  # noqa: BLE001 - turns the path off, agreed below
+            reason = f"{type(exc).__name__}: {exc}"
+        # every rank has passed the all-gather (or window allocation) inside _allocate, after
+        # settling: no one reads the old workspaces any more
+        self._free(*old)
+        if not self._agree(reason):
+            self._free(self._own_ptr, self._peer_ptrs, self._win)
+            self._own_ptr, self._peer_ptrs, self._win, self.views = None, [], None, []
+            self.usable = False
+            return False
+        self.slot_bytes = slot
+        return True
+
+    def _settle(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+            if self.last is not None:
+                self.last.synchronize()
+
+    def _allocate(self, slot: int) -> None:
+        total = 2 * slot
+        self.views, self._peer_ptrs, self._own_ptr, self._win = [], [], None, None
+        if not self.cuda:
+            self._win = MPI.Win.Allocate_shared(total, 1, comm=self.handle)
+            for q in range(self.size):
+                memory, _ = self._win.Shared_query(q)
+                self.views.append(torch.frombuffer(memory, dtype=torch.uint8, count=total))
+            return
+        rt = _cudart()
+        handle = b""
+        with torch.cuda.device(self.device):
+            try:
+                self._own_ptr = rt.malloc(total)
+                handle = rt.handle(self._own_ptr)
+            finally:
+                handles = self.handle.allgather(handle)  # always entered: no rank is left in it
+            if not all(handles):
+                raise RuntimeError("a rank could not allocate its workspace")
+            for q, h in enumerate(handles):
+                if q == self.rank:
+                    self.views.append(_wrap(self._own_ptr, total))
+                else:
+                    ptr = rt.open(h)
+                    self._peer_ptrs.append(ptr)
+                    self.views.append(_wrap(ptr, total))
+
+    def _free(self, own: int | None, peers: list[int], win: MPI.Win | None) -> None:
+        """Free what ``_allocate`` made (the caller has made sure no rank reads it)."""
+        if win is not None:
+            win.Free()
+        if self.cuda and (own is not None or peers):
+            rt = _cudart()
+            with torch.cuda.device(self.device):
+                for ptr in peers:
+                    rt.close(ptr)
+                if own is not None:
+                    rt.free(own)
+
+    def slot_views(self, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's current slot as ``n`` elements of ``dtype`` (rank order); advances the
+        slot counter."""
+        offset = (self.count % 2) * self.slot_bytes
+        self.count += 1
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        return [v[offset:offset + nbytes].view(dtype) for v in self.views]
+
+    def close(self) -> None:
+        """Collective: free the workspaces (once every rank's reads of them are over)."""
+        if self.views or self._win is not None:
+            self._settle()
+            self.handle.Barrier()
+            self.views = []
+            self._free(self._own_ptr, self._peer_ptrs, self._win)
+            self._own_ptr, self._peer_ptrs, self._win = None, [], None
+        self.usable = False
+
+
+def _node(comm, t: torch.Tensor) -> _Node:
+    hub = comm._hub
+    node = hub.node
+    if node is None:
+        device = t.device
+        if t.is_cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        node = hub.node = _Node(comm, device)
+    return node
+
+
+def release(hub) -> None:
+    """Collective: free a communicator's workspaces (when it is freed)."""
+    node, hub.node = hub.node, None
+    if node is not None:
+        node.close()
+
+
+# ---------------------------------------------------------------------------- the operation
+
+
+class NodeAllreduce:
+    """One node-local sum of ``src`` into ``dst`` (contiguous, same dtype and size; ``src is
+    dst`` in place) over ``comm``: a request-like phase (``Test`` advances it, ``Wait`` drives it
+    to the end), its first copy queued at construction. Collective: every rank constructs it
+    for the same reduction."""
+
+    def __init__(self, comm, src: torch.Tensor, dst: torch.Tensor) -> None:
+        node = comm._hub.node
+        self.node, self.dst = node, dst.view(-1)
+        n = self.dst.numel()
+        self.finished = n == 0
+        if self.finished:
+            return
+        self.views = node.slot_views(n, dst.dtype)
+        self.one_shot = n * dst.element_size() * (node.size - 1) <= ONE_SHOT_BYTES
+        self.counts, self.displs = counts_displs(n, node.size)
+        self.stream = torch.cuda.current_stream(node.device) if node.cuda else None
+        self.request: MPI.Request | None = None
+        self.event = None
+        self.stage = 0
+        if self.stream is not None and node.last is not None:
+            self.stream.wait_event(node.last)  # reads of the last sum come before this copy
+        self._queue(lambda: self.views[node.rank].copy_(src.reshape(-1)))
+
+    def _queue(self, work) -> None:
+        if self.stream is None:
+            work()
+            self.event = None
+            return
+        with torch.cuda.stream(self.stream):  # every phase on the caller's stream at the call
+            work()
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def _shard(self, v: torch.Tensor, q: int) -> torch.Tensor:
+        lo = self.displs[q]
+        return v[lo:lo + self.counts[q]]
+
+    def _reduce(self) -> None:
+        r = self.node.rank
+        parts = [self._shard(v, r) for v in self.views]
+        here = self.views[r].device
+        first = parts[0]
+        acc = first.float() if first.dtype in _HALF else first.to(here, copy=True)
+        for p in parts[1:]:
+            acc.add_(p if p.device == here else p.to(here))
+        parts[r].copy_(acc)
+
+    def _sum_all(self) -> None:
+        here = self.views[self.node.rank].device
+        first = self.views[0]
+        acc = first.float() if first.dtype in _HALF else first.to(here, copy=True)
+        for v in self.views[1:]:
+            acc.add_(v if v.device == here else v.to(here))
+        self.dst.copy_(acc)
+
+    def _gather(self) -> None:
+        for q, v in enumerate(self.views):
+            self._shard(self.dst, q).copy_(self._shard(v, q))
+
+    def _done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def _advance(self) -> None:
+        while not self.finished:
+            stage = self.stage
+            if stage in (0, 2):
+                if not self._done():
+                    return
+                self.request = self.node.handle.Ibarrier()
+            elif stage in (1, 3):
+                if not self.request.Test():
+                    return
+                self.request = None
+                if self.one_shot:
+                    self._queue(self._sum_all)
+                    self.stage = 4
+                    continue
+                self._queue(self._reduce if stage == 1 else self._gather)
+            else:  # 4: the gather is queued: work queued after this sees the result
+                self.node.last = self.event
+                if self.event is not None:
+                    torch.cuda.current_stream(self.node.device).wait_event(self.event)
+                self.finished = True
+                self.views = []
+                return
+            self.stage += 1
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        self._advance()
+        return self.finished
+
+    def Wait(self, status: MPI.Status | None = None) -> None:
+        while not self.Test():
+            if self.stage in (0, 2) and self.event is not None:
+                self.event.synchronize()
+            elif self.stage in (1, 3):
+                self.request.Wait()
+
+    def Cancel(self) -> None:
+        """Collectives cannot be cancelled: nothing to do (as for MPI)."""
+
+    wait, test = Wait, Test
