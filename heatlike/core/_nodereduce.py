@@ -27,12 +27,17 @@ Every rank gets bitwise the same result: the same rank-order sum of every elemen
 one rank (two shots) or by every rank with the same operations (one shot). No barrier closes the
 operation: reduction k+1 writes the other slot, and before any rank writes slot s again
 (reduction k+2) it has passed the first barrier of reduction k+1, which every rank enters only
-after its copy for k+1 is complete, queued on its stream after its reads of reduction k. That is
-why the path is only taken where one such operation at a time runs on the communicator
-(blocking calls, or non-blocking ones on a ``serial`` communicator: the engine's private
-channels), and why the slot counter, the workspace size, one shot or two, and the decision to
-use the path must be the same on every rank: they depend only on what every rank's call shares
-(size, dtype, op, device kind) and on collective agreement at set-up.
+after its copy for k+1 is complete, queued on its stream after its reads of reduction k.
+
+The sums of one communicator run one after the other on every rank (a new sum first completes
+the one before it), and their barriers, the workspace's growth and its release run on a private
+duplicate of the communicator: they never interleave with the communicator's other collectives,
+even where the engine keeps a small all-reduce (a bucket's use counters) in flight during an
+exchange. The slot counter, the workspace size, one shot or two, and the decision to use the
+path are the same on every rank: they depend only on what every rank's call shares (size,
+dtype, op, device kind) and on collective agreement at set-up. Like pipelined staging, the path
+is taken in blocking calls and on serial communicators (the engine's private channels), where
+no other multi-phase operation can be waiting for this rank's progress.
 
 Where it applies (:func:`applies`): MPI.SUM of a staged buffer (device memory without a
 CUDA-aware library) of a numeric dtype and at least :data:`MIN_BYTES`, on a communicator of
@@ -254,6 +259,8 @@ class _Node:
         self._peer_ptrs: list[int] = []
         self._win: MPI.Win | None = None
         self.last = None  # event after this rank's last reads of the workspaces (device)
+        self.current: NodeAllreduce | None = None  # this rank's latest sum on this node
+        self.barriers: MPI.Intracomm | None = None
         reason, uuid, visible, mine = "", "", {}, -1
         try:  # local facts first: every rank then enters the same collectives
             if self.cuda:
@@ -278,15 +285,17 @@ class _Node:
                 reason = "a peer's GPU is not visible to this process"
             elif index != mine and not torch.cuda.can_device_access_peer(mine, index):
                 reason = "a peer's GPU cannot be reached with peer access"
-        self.usable = self._agree(reason)
+        self.usable = self._agree(reason, self.handle)
+        if self.usable:  # the sums' barriers never interleave with the communicator's others
+            self.barriers = self.handle.Dup()
 
-    def _agree(self, reason: str) -> bool:
-        """Collective: True where every rank's reason is empty (a reason other than the ranks'
-        being on several nodes is logged)."""
+    def _agree(self, reason: str, comm: MPI.Intracomm) -> bool:
+        """Collective over ``comm``: True where every rank's reason is empty (a reason other than
+        the ranks' being on several nodes is logged)."""
         self.reason = reason
         if reason and reason != _SEVERAL_NODES:
             _log.info(f"node-local sums of device buffers off on this communicator: {reason}")
-        return bool(self.handle.allreduce(0 if reason else 1, op=MPI.MIN))
+        return bool(comm.allreduce(0 if reason else 1, op=MPI.MIN))
 
     def ensure(self, nbytes: int) -> bool:
         """Collective (every rank asks for the same size): slots of at least ``nbytes``. Returns
@@ -294,6 +303,8 @@ class _Node:
         if nbytes <= self.slot_bytes or not self.usable:
             return self.usable
         slot = -(-nbytes // _ALIGN) * _ALIGN
+        if self.current is not None and not self.current.finished:
+            self.current.Wait()
         self._settle()  # this rank's reads of the peers' old workspaces are over
         old = (self._own_ptr, self._peer_ptrs, self._win)
         reason = ""
@@ -304,7 +315,7 @@ class _Node:
         # every rank has passed the all-gather (or window allocation) inside _allocate, after
         # settling: no one reads the old workspaces any more
         self._free(*old)
-        if not self._agree(reason):
+        if not self._agree(reason, self.barriers):
             self._free(self._own_ptr, self._peer_ptrs, self._win)
             self._own_ptr, self._peer_ptrs, self._win, self.views = None, [], None, []
             self.usable = False
@@ -322,7 +333,7 @@ class _Node:
         total = 2 * slot
         self.views, self._peer_ptrs, self._own_ptr, self._win = [], [], None, None
         if not self.cuda:
-            self._win = MPI.Win.Allocate_shared(total, 1, comm=self.handle)
+            self._win = MPI.Win.Allocate_shared(total, 1, comm=self.barriers)
             for q in range(self.size):
                 memory, _ = self._win.Shared_query(q)
                 self.views.append(torch.frombuffer(memory, dtype=torch.uint8, count=total))
@@ -334,7 +345,7 @@ class _Node:
                 self._own_ptr = rt.malloc(total)
                 handle = rt.handle(self._own_ptr)
             finally:
-                handles = self.handle.allgather(handle)  # always entered: no rank is left in it
+                handles = self.barriers.allgather(handle)  # always entered: no rank left in it
             if not all(handles):
                 raise RuntimeError("a rank could not allocate its workspace")
             for q, h in enumerate(handles):
@@ -367,12 +378,17 @@ class _Node:
 
     def close(self) -> None:
         """Collective: free the workspaces (once every rank's reads of them are over)."""
+        if self.current is not None and not self.current.finished:
+            self.current.Wait()
         if self.views or self._win is not None:
             self._settle()
-            self.handle.Barrier()
+            self.barriers.Barrier()
             self.views = []
             self._free(self._own_ptr, self._peer_ptrs, self._win)
             self._own_ptr, self._peer_ptrs, self._win = None, [], None
+        if self.barriers is not None:
+            self.barriers.Free()
+            self.barriers = None
         self.usable = False
 
 
@@ -405,6 +421,9 @@ class NodeAllreduce:
 
     def __init__(self, comm, src: torch.Tensor, dst: torch.Tensor) -> None:
         node = comm._hub.node
+        if node.current is not None and not node.current.finished:
+            node.current.Wait()  # sums on a node run one after the other, on every rank alike
+        node.current = self
         self.node, self.dst = node, dst.view(-1)
         n = self.dst.numel()
         self.finished = n == 0
@@ -466,7 +485,7 @@ class NodeAllreduce:
             if stage in (0, 2):
                 if not self._done():
                     return
-                self.request = self.node.handle.Ibarrier()
+                self.request = self.node.barriers.Ibarrier()
             elif stage in (1, 3):
                 if not self.request.Test():
                     return
