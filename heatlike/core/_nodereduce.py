@@ -1,9 +1,9 @@
 """Node-local all-reduce through the peers' memory: device buffers summed on the device.
 
 Without a CUDA-aware MPI library a device buffer is staged: copied to host memory, reduced by
-MPI there, copied back. When every rank of the communicator runs on one node, each rank can
-instead map its peers' device memory (CUDA IPC) and the sum needs neither host memory nor MPI
-data transfers: MPI carries only two barriers.
+MPI there, copied back. When every rank of the communicator shares one node and one GPU, each
+rank can instead map its peers' device memory (CUDA IPC) and the sum needs neither host memory
+nor MPI data transfers: MPI carries only one or two barriers.
 
 Every rank keeps a *workspace* of two slots in its own device memory, mapped once into every
 peer (handles exchanged with an all-gather; the workspace grows, collectively, to the largest
@@ -41,12 +41,12 @@ no other multi-phase operation can be waiting for this rank's progress.
 
 Where it applies (:func:`applies`): MPI.SUM of a staged buffer (device memory without a
 CUDA-aware library) of a numeric dtype and at least :data:`MIN_BYTES`, on a communicator of
-several ranks that share one node (``MPI_Comm_split_type(SHARED)``), whose GPUs each rank can
-reach (the same GPU, or a peer GPU visible to the process with peer access), with the CUDA
-runtime found in the process; set-up failures on any rank (a handle that does not open, a
-mapping torch does not take as it is) turn the path off on every rank, agreed, and are logged.
-``HEATLIKE_NODE_REDUCE=0`` or :func:`enabled` (False) turn it off. Other ops, dtypes and sizes
-are staged as before.
+several ranks that share one node (``MPI_Comm_split_type(SHARED)``) and one GPU, with the CUDA
+runtime found in the process. Ranks on different GPUs of a node are staged: reading a peer GPU
+through torch would open a context on it in every process, and that path is not verified. A
+set-up failure on any rank (a handle that does not open, a mapping torch does not take as it is)
+turns the path off on every rank, agreed, and is logged. ``HEATLIKE_NODE_REDUCE=0`` or
+:func:`enabled` (False) turn it off. Other ops, dtypes and sizes are staged as before.
 
 Without a GPU the same protocol runs on host tensors under ``force_staging`` with
 :func:`host_mode` (the workspaces are an MPI shared-memory window), which is how the suite tests
@@ -261,13 +261,10 @@ class _Node:
         self.last = None  # event after this rank's last reads of the workspaces (device)
         self.current: NodeAllreduce | None = None  # this rank's latest sum on this node
         self.barriers: MPI.Intracomm | None = None
-        reason, uuid, visible, mine = "", "", {}, -1
+        reason, uuid = "", ""
         try:  # local facts first: every rank then enters the same collectives
             if self.cuda:
                 uuid = str(torch.cuda.get_device_properties(device).uuid)
-                visible = {str(torch.cuda.get_device_properties(i).uuid): i
-                           for i in range(torch.cuda.device_count())}
-                mine = device.index
                 _cudart()
         except Exception as exc:  # noqa: BLE001 - any failure turns the path off, agreed below
             reason = f"{type(exc).__name__}: {exc}"
@@ -277,14 +274,8 @@ class _Node:
         uuids = self.handle.allgather(uuid) if self.cuda else []
         if not one_node:
             reason = reason or _SEVERAL_NODES
-        for peer in uuids:
-            index = visible.get(peer)
-            if reason:
-                break
-            if index is None:
-                reason = "a peer's GPU is not visible to this process"
-            elif index != mine and not torch.cuda.can_device_access_peer(mine, index):
-                reason = "a peer's GPU cannot be reached with peer access"
+        elif len(set(uuids)) > 1:
+            reason = reason or "the ranks use different GPUs (sums between GPUs are staged)"
         self.usable = self._agree(reason, self.handle)
         if self.usable:  # the sums' barriers never interleave with the communicator's others
             self.barriers = self.handle.Dup()
@@ -454,23 +445,21 @@ class NodeAllreduce:
         lo = self.displs[q]
         return v[lo:lo + self.counts[q]]
 
+    @staticmethod
+    def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+        first = parts[0]
+        acc = first.float() if first.dtype in _HALF else first.clone()
+        for p in parts[1:]:
+            acc.add_(p)
+        return acc
+
     def _reduce(self) -> None:
         r = self.node.rank
         parts = [self._shard(v, r) for v in self.views]
-        here = self.views[r].device
-        first = parts[0]
-        acc = first.float() if first.dtype in _HALF else first.to(here, copy=True)
-        for p in parts[1:]:
-            acc.add_(p if p.device == here else p.to(here))
-        parts[r].copy_(acc)
+        parts[r].copy_(self._rank_order_sum(parts))
 
     def _sum_all(self) -> None:
-        here = self.views[self.node.rank].device
-        first = self.views[0]
-        acc = first.float() if first.dtype in _HALF else first.to(here, copy=True)
-        for v in self.views[1:]:
-            acc.add_(v if v.device == here else v.to(here))
-        self.dst.copy_(acc)
+        self.dst.copy_(self._rank_order_sum(self.views))
 
     def _gather(self) -> None:
         for q, v in enumerate(self.views):
