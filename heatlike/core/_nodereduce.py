@@ -58,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import os
 from collections.abc import Iterator
 
 import torch
@@ -66,6 +65,7 @@ from mpi4py import MPI
 
 from . import _buffers
 from .chunking import counts_displs
+from .cuda_aware import loaded_libraries
 from .env import env_flag
 from .log import get_logger
 
@@ -125,10 +125,10 @@ def _on() -> bool:
 def possible(t: torch.Tensor) -> bool:
     """Whether reductions of ``t``'s kind may take the node-local path (what every rank's call
     shares; the communicator is checked by :func:`applies`)."""
-    if not _on() or t.dtype not in _DTYPES or not _buffers.staged(t) or \
-            t.numel() * t.element_size() < MIN_BYTES:
+    if t.numel() * t.element_size() < MIN_BYTES or t.dtype not in _DTYPES or \
+            not (t.is_cuda or (_host and t.device.type == "cpu")):
         return False
-    return t.is_cuda or (_host and t.device.type == "cpu")
+    return _buffers.staged(t) and _on()
 
 
 def applies(comm, recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
@@ -156,7 +156,7 @@ class _Runtime:
 
     def __init__(self) -> None:
         lib = None
-        for path in _loaded_libraries("libcudart") + [ctypes.util.find_library("cudart")]:
+        for path in loaded_libraries("libcudart") + [ctypes.util.find_library("cudart")]:
             if path:
                 with contextlib.suppress(OSError):
                     lib = ctypes.CDLL(path)
@@ -202,17 +202,6 @@ class _Runtime:
 
     def close(self, ptr: int) -> None:
         self._check(self.lib.cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
-
-
-def _loaded_libraries(prefix: str) -> list[str]:
-    paths: list[str] = []
-    with contextlib.suppress(OSError), open("/proc/self/maps") as f:
-        for line in f:
-            path = line.rsplit(" ", 1)[-1].strip()
-            name = os.path.basename(path)
-            if name.startswith(prefix) and ".so" in name and path not in paths:
-                paths.append(path)
-    return paths
 
 
 _runtime: _Runtime | None = None

@@ -25,22 +25,28 @@ from mpi4py import MPI
 
 from .env import env_flag
 
-__all__ = ["cuda_aware", "query_library", "refresh", "assumed"]
+__all__ = ["cuda_aware", "query_library", "refresh", "assumed", "loaded_libraries"]
 
 _MPIX_GPU_SUPPORT_CUDA = 0
 _cached: bool | None = None
 
 
-def _loaded_mpi_libraries() -> list[str]:
-    """Paths of the shared libraries named libmpi* mapped into this process."""
+def loaded_libraries(prefix: str) -> list[str]:
+    """Paths of the shared libraries whose names start with ``prefix`` (``"libmpi"``,
+    ``"libcudart"``) mapped into this process."""
     paths: list[str] = []
     with contextlib.suppress(OSError), open("/proc/self/maps") as f:  # no /proc: none found
         for line in f:
             path = line.rsplit(" ", 1)[-1].strip()
             name = os.path.basename(path)
-            if name.startswith("libmpi") and ".so" in name and path not in paths:
+            if name.startswith(prefix) and ".so" in name and path not in paths:
                 paths.append(path)
     return paths
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """Paths of the shared libraries named libmpi* mapped into this process."""
+    return loaded_libraries("libmpi")
 
 
 def _handles() -> list[ctypes.CDLL]:

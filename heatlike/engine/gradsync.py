@@ -503,8 +503,7 @@ class GradientSync:
             self._fail_nonfinite(bucket)
         used = []
         with torch.no_grad():
-            for p, view, flag in zip(bucket.params, bucket.views,
-                                             bucket.summed_flags()):
+            for p, view, flag in zip(bucket.params, bucket.views, bucket.summed_flags()):
                 if flag <= 0:
                     continue
                 in_bucket = _is_view_of(p.grad, view)
