@@ -40,6 +40,35 @@ def _comm_slots() -> set[int]:
     return handles
 
 
+def _settle(comm) -> None:
+    """Before a baseline: the objects of earlier tests collected, and the communicators the
+    collector dropped freed (by a creation), not inside the measured loop."""
+    gc.collect()
+    comm.Dup().Free()
+    comm.Barrier()
+
+
+def _slots_moved_by(comm, loop) -> int:
+    """How many of a batch of communicator slots free before ``loop()`` are taken after it (a
+    leak of one communicator per iteration takes them all; a loop that frees everything moves
+    only as many as it held at once)."""
+    _settle(comm)
+    before = _comm_slots()
+    loop()
+    _settle(comm)
+    return len(_comm_slots() - before)
+
+
+def _live_communicators() -> tuple[int, int, int]:
+    """(heatlike communicators alive, dropped ones not freed yet, boards): what a leak of
+    dropped models would grow. The slot count of ``_slots_moved_by`` does not fit them: their
+    communicators are freed later, at a creation, so more of them are alive at once."""
+    from heatlike.core import checks
+    from heatlike.core.communication import unfreed_communicators
+
+    return len(checks._HUBS), unfreed_communicators(), len(checks._BOARDS)
+
+
 def _assert_no_leak(before: set[int], after: set[int], what: str) -> None:
     moved = len(after - before)
     assert moved <= SLACK, f"{moved} of {BATCH} {what} slots are taken after the loop: a leak"
@@ -66,8 +95,7 @@ def test_no_datatype_or_communicator_leak_in_data_paths(comm):
     ]
     for op in ops:  # the library allocates some objects once, on first use of a call
         op()
-    gc.collect()  # objects of earlier tests freed now, not inside the measured loop
-    comm.Barrier()
+    _settle(comm)
     dt0, comm0 = _datatype_slots(), _comm_slots()
     for i in range(CALLS):
         if i % 3 == 0:
@@ -106,13 +134,59 @@ def test_no_communicator_leak_in_comm_management(comm):
 
     for i in range(6):  # the library allocates some objects once, on first use of a call
         create(i)
-    gc.collect()  # objects of earlier tests freed now, not inside the measured loop
-    comm.Barrier()
+    _settle(comm)
     comm0 = _comm_slots()
     for i in range(CALLS):
         create(i)
-    gc.collect()
+    _settle(comm)
     _assert_no_leak(comm0, _comm_slots(), "communicator")
+
+
+def _sweep_model(comm, kind: str, seed: int, steps: int, hidden: int = 8,
+                 warmup_epochs: int = 1, last_batch: int = 2):
+    """A point of a model sweep: ``kind`` "DataParallel" (non-blocking, a two-phase codec) or
+    "DASO" (after ``warmup_epochs`` of gradient warmup, cycling), a 5-``hidden``-3 MLP trained
+    ``steps`` steps of epochs of ``last_batch`` batches; returns (model, optimizer)."""
+    from torch import nn
+
+    from heatlike.nn import DataParallel, DataParallelMultiGPU
+    from heatlike.optim import DASO, DataParallelOptimizer
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+    if kind == "DataParallel":
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
+        model = DataParallel(net, comm, optimizer=opt, codec="bf16")
+    else:
+        opt = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=4, comm=comm,
+                   warmup_epochs=warmup_epochs, cooldown_epochs=0)
+        model = DataParallelMultiGPU(net, opt)
+        opt.last_batch = last_batch
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 5)).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _sweep_kind(i: int) -> str:
+    return "DataParallel" if i % 2 else "DASO"
+
+
+def _train_recipe(comm, name: str, seed: int):
+    """An algorithm of heatlike.recipes built on a small MLP and trained two steps; its
+    runner."""
+    from heatlike import recipes
+
+    net = recipes.mlp([64, 16, 10], seed)
+    runner = recipes.make_runner(name, net, comm, lr=0.01)
+    runner.start_epoch(2)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(2):
+        runner.train_step(torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,),
+                                                                           generator=g))
+    runner.finish()
+    return runner
 
 
 @pytest.mark.mpi_timeout(300)
@@ -122,29 +196,11 @@ def test_closed_models_leave_no_communicator_behind(comm, monkeypatch, nodes):
     its gradient warmup and a cycling epoch) leaves no communicator behind: ``close()`` frees
     the private channels, DASO's node and cross-node communicators and the topologies cached on
     them. (Dropped without ``close()``, a DASO held about 11 communicators until MPI_Finalize.)"""
-    from torch import nn
-
-    from heatlike.nn import DataParallel, DataParallelMultiGPU
-    from heatlike.optim import DASO, DataParallelOptimizer
-
     monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
     monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(nodes))
 
     def sweep_point(i):
-        torch.manual_seed(i)
-        net = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
-        if i % 2:
-            opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
-            model = DataParallel(net, comm, optimizer=opt, codec="bf16")
-        else:
-            opt = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
-                       warmup_epochs=1, cooldown_epochs=0)
-            model = DataParallelMultiGPU(net, opt)
-            opt.last_batch = 2
-        for _ in range(4):
-            opt.zero_grad()
-            model(torch.randn(4, 5)).sum().backward()
-            opt.step()
+        model, opt = _sweep_model(comm, _sweep_kind(i), i, steps=4)
         model.close()
         if not i % 2:
             with pytest.raises(RuntimeError, match="closed"):
@@ -157,24 +213,21 @@ def test_closed_models_leave_no_communicator_behind(comm, monkeypatch, nodes):
 
     for i in range(4):  # the library allocates some objects once, on first use of a call
         sweep_point(i)
-    gc.collect()
-    comm.Barrier()
-    comm0 = _comm_slots()
-    for i in range(60):
-        sweep_point(i)
-    gc.collect()
     # a DASO holds about a dozen communicators at once, which moves that many slots; a leak of
     # one per model would move all 32
-    moved = len(_comm_slots() - comm0)
+    moved = _slots_moved_by(comm, lambda: [sweep_point(i) for i in range(60)])
     assert moved <= 14, f"{moved} of {BATCH} communicator slots are taken after the loop: a leak"
 
 
 @pytest.mark.mpi_timeout(300)
-def test_every_closed_preset_leaves_no_communicator_behind(comm, monkeypatch):
-    """Every algorithm of heatlike.recipes, built, trained two steps and closed
-    (``Runner.close``: the model's and the optimizer's ``close()``) on two emulated nodes, five
-    times over, leaves no communicator behind (dropped without it, most held 3); a closed one
-    raises instead of training unsynchronized."""
+@pytest.mark.parametrize("ending", ["closed", "dropped"])
+def test_every_preset_leaves_no_communicator_behind(comm, monkeypatch, ending):
+    """Every algorithm of heatlike.recipes, built and trained two steps on two emulated nodes,
+    several times over, leaves no communicator behind, whether it is closed (``Runner.close``:
+    the model's and the optimizer's ``close()``) or dropped without it (the garbage collector
+    frees model and optimizer, and a later creation their communicators; before, the gradient
+    hooks kept them alive, holding 3 communicators each). A closed one raises instead of
+    training unsynchronized."""
     from heatlike import recipes
 
     monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
@@ -182,30 +235,27 @@ def test_every_closed_preset_leaves_no_communicator_behind(comm, monkeypatch):
     monkeypatch.setattr(recipes, "COMPRESSION_WARMUP", 1)
     names = [n for n in recipes.ALGORITHMS if n != "decentralized" or comm.size >= 3]
 
-    def build_train_close(name, seed):
-        net = recipes.mlp([64, 16, 10], seed)
-        runner = recipes.make_runner(name, net, comm, lr=0.01)
-        runner.start_epoch(2)
-        g = torch.Generator().manual_seed(comm.rank)
-        for _ in range(2):
-            runner.train_step(torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,),
-                                                                               generator=g))
-        runner.finish()
-        runner.close()
-        if seed == 0:  # a closed model or optimizer refuses to train, on every rank
-            with pytest.raises(RuntimeError, match="closed"):
-                runner.train_step(torch.randn(4, 64), torch.randint(0, 10, (4,)))
+    def build_train_end(name, seed):
+        runner = _train_recipe(comm, name, seed)
+        if ending == "closed":
+            runner.close()
+            if seed == 0:  # a closed model or optimizer refuses to train, on every rank
+                with pytest.raises(RuntimeError, match="closed"):
+                    runner.train_step(torch.randn(4, 64), torch.randint(0, 10, (4,)))
 
     for name in names:  # the library allocates some objects once, on first use of a call
-        build_train_close(name, 0)
-    gc.collect()
-    comm.Barrier()
-    comm0 = _comm_slots()
-    for seed in range(1, 6):
-        for name in names:
-            build_train_close(name, seed)
-    gc.collect()
-    moved = len(_comm_slots() - comm0)  # peak: a DASO's dozen; a leak of one per build: all
+        build_train_end(name, 0)
+    if ending == "dropped":
+        _settle(comm)
+        before = _live_communicators()
+        for seed in range(1, 3):
+            for name in names:
+                build_train_end(name, seed)
+        _settle(comm)
+        assert _live_communicators() == before, "(communicators, unfreed, boards) grew"
+        return
+    moved = _slots_moved_by(comm, lambda: [build_train_end(name, seed)
+                                           for seed in range(1, 4) for name in names])
     assert moved <= 14, f"{moved} of {BATCH} communicator slots are taken after the loop: a leak"
 
 
@@ -272,26 +322,168 @@ def test_chunk_matches_heat_convention(comm):
         comm.counts_displs_shape((10.0, 3), 0)
 
 
-def test_a_communicator_only_the_cycle_collector_finds_is_left_to_mpi_finalize(comm):
+def _drop_in_a_cycle(wrapper) -> MPI.Comm:
+    """Drop ``wrapper`` inside a reference cycle (only the cyclic collector can free it);
+    returns its MPI handle."""
+    handle = wrapper.handle
+    holder = {"comm": wrapper}
+    holder["self"] = holder
+    return handle
+
+
+def test_a_communicator_the_cycle_collector_finds_is_freed_at_the_next_creation(comm):
     """A wrapper dropped by reference counting frees its communicator at once (the same point
     of every rank's program). One caught in a reference cycle is found by the cyclic collector
     at an arbitrary point, different on every rank; freeing it there once made a 4-rank DASO
-    test hang (one rank in MPI_Comm_free waiting for ranks that waited for it in a collective),
-    so it is left to MPI_Finalize and counted."""
+    test hang (one rank in MPI_Comm_free waiting for ranks that waited for it in a collective).
+    So it is kept, still a working communicator, and freed by the next communicator creation
+    over its ranks, on every rank together."""
     from heatlike.core.communication import unfreed_communicators
 
     gc.collect()
+    comm.Dup().Free()
     before = unfreed_communicators()
     dropped = comm.Dup()
     handle = dropped.handle
     del dropped
     assert handle == MPI.COMM_NULL, "a wrapper dropped by reference counting was not freed"
-    cyclic = comm.Dup()
-    handle = cyclic.handle
-    holder = {"comm": cyclic}
-    holder["self"] = holder
-    del cyclic, holder
+    handle = _drop_in_a_cycle(comm.Dup())
     gc.collect()
     assert unfreed_communicators() == before + 1
     assert handle != MPI.COMM_NULL and handle.Get_size() == comm.size  # not freed
     assert handle.allreduce(1) == comm.size  # and still a working communicator
+    comm.Split(0, comm.rank).Free()  # any creation over its ranks frees it, on every rank
+    assert handle == MPI.COMM_NULL
+    assert unfreed_communicators() == before
+
+
+def test_a_dropped_communicator_is_freed_once_every_member_dropped_it(comm, monkeypatch):
+    """Rank 0's collector finds a dropped communicator before the others': the next creation
+    runs the collector on every rank (at most every ``COLLECT_EVERY`` seconds; here always) and
+    frees it on every rank together. One that some member
+    still holds is kept (and still works) until a creation after that member dropped it too. A
+    communicator of half the ranks is freed by a creation over that half; one made from a
+    communicator the program created itself (heatlike cannot name it among the ranks) is left
+    to MPI_Finalize."""
+    from heatlike.core import communication
+    from heatlike.core.communication import unfreed_communicators
+
+    monkeypatch.setattr(communication, "COLLECT_EVERY", 0.0)
+    gc.collect()
+    gc.disable()
+    try:
+        handle = _drop_in_a_cycle(comm.Dup())
+        if comm.rank == 0:
+            gc.collect()
+        comm.Dup().Free()
+        assert handle == MPI.COMM_NULL
+
+        kept = comm.Dup()
+        handle = kept.handle
+        if comm.rank != comm.size - 1:  # the last rank keeps its wrapper for now
+            _drop_in_a_cycle(kept)
+            del kept
+        comm.Dup().Free()
+        if comm.size > 1:
+            assert handle != MPI.COMM_NULL, "freed before every member dropped it"
+            assert handle.allreduce(comm.rank) == comm.size * (comm.size - 1) // 2
+        if comm.rank == comm.size - 1:
+            _drop_in_a_cycle(kept)
+            del kept
+        gc.collect()  # one rank: a creation runs no collector (no other rank to agree with)
+        comm.Dup().Free()
+        assert handle == MPI.COMM_NULL
+
+        half = comm.Split(comm.rank % 2, comm.rank)
+        handle = _drop_in_a_cycle(half.Dup())
+        gc.collect()
+        half.Dup().Free()
+        assert handle == MPI.COMM_NULL
+        half.Free()
+
+        before = unfreed_communicators()
+        own = hl.MPICommunication(MPI.COMM_WORLD.Dup())  # the program's, not heatlike's
+        handle = _drop_in_a_cycle(own.Dup())
+        gc.collect()
+        own.Dup().Free()
+        assert handle != MPI.COMM_NULL and unfreed_communicators() == before + 1
+        own.handle.Free()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.mpi_timeout(300)
+def test_dropped_models_leave_no_communicator_behind(comm, monkeypatch):
+    """A sweep that drops its models without ``close()`` (DataParallel with a two-phase codec,
+    DASO through its warmup), on two emulated nodes, with each rank's garbage collector running
+    at other points (rank r collects every r + 1 models), does not run out of communicators:
+    each model's communicators are freed at a later creation, once every rank dropped them.
+    Before, a model's hooks kept it alive, and 300 dropped DataParallel models exhausted
+    MPICH's communicators at 4 ranks."""
+    monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(max(1, comm.size // 2)))
+
+    def sweep_point(i):
+        _sweep_model(comm, _sweep_kind(i), i, steps=3)
+
+    def sweep() -> None:
+        gc.disable()
+        try:
+            for i in range(8):
+                sweep_point(i)
+                if i % (comm.rank + 1) == 0:
+                    gc.collect()
+        finally:
+            gc.enable()
+
+    for i in range(4):  # the library allocates some objects once, on first use of a call
+        sweep_point(i)
+    _settle(comm)
+    before = _live_communicators()
+    sweep()
+    _settle(comm)
+    assert _live_communicators() == before, "(communicators, unfreed, boards) grew"
+
+
+@pytest.mark.mpi_timeout(120)
+@pytest.mark.parametrize("kind", ["DataParallel", "DASO"])
+def test_a_model_dropped_mid_exchange_never_blocks_the_collector(comm, monkeypatch, kind):
+    """A model dropped while its exchanges are in flight (non-blocking updates pending, or a
+    DASO synchronization between send and merge), collected on rank 0 while the other ranks
+    already wait in a plain MPI barrier. The collector's finalizer used to wait there for the
+    exchanges, whose next phases the other ranks issue only when they test them: rank 0 never
+    reached the barrier (this hung a 4-rank test on two virtual-cluster nodes). Now the
+    exchanges are kept, driven by later waits, and completed on every rank together before
+    their communicators are freed."""
+    from heatlike.core import checks, communication
+    from heatlike.core.communication import unfreed_communicators
+
+    monkeypatch.setattr(communication, "COLLECT_EVERY", 0.0)
+    monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", str(max(1, comm.size // 2)))
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "0")  # sums in many chunks: many phases
+    monkeypatch.setenv("HEATLIKE_NODE_AWARE_CHUNK_KB", "1")
+
+    def train_and_drop() -> bool:
+        model, opt = _sweep_model(comm, kind, 0, steps=3, hidden=64, warmup_epochs=0,
+                                  last_batch=8)
+        if kind == "DataParallel":
+            return any(not r.done for r in model.grad_sync._requests.values())
+        return any(not r.done for sync in opt._pending for r in sync.requests)
+
+    _settle(comm)
+    before = unfreed_communicators()
+    gc.disable()
+    try:
+        in_flight = train_and_drop()
+        if comm.rank == 0:
+            gc.collect()
+        MPI.COMM_WORLD.Barrier()
+        gc.collect()
+    finally:
+        gc.enable()
+    if kind == "DataParallel" and comm.size > 1:
+        assert in_flight, "the test needs exchanges in flight when the model is dropped"
+    comm.Dup().Free()  # frees the dropped model's communicators, its exchanges completed first
+    assert unfreed_communicators() == before
+    assert not checks.ORPHANS

@@ -710,3 +710,100 @@ def test_sparse_gradients_are_averaged_densely(comm, blocking):
     model.close()
     torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
     _same_on_all_ranks(comm, local)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_a_module_wrapped_again_is_synchronized_once(comm, blocking):
+    """Wrapping a module a second time (a second training phase, a notebook cell run again)
+    closes the earlier wrapper: its hooks leave the module and its buckets send nothing more.
+    Before, every wrapper the module ever had kept synchronizing it (each step slower by one
+    more all-reduce of the gradients). Training through the new wrapper still follows one
+    process with the combined batch; the earlier wrapper refuses to train, on every rank."""
+    reference = Net(seed=0)
+    local = copy.deepcopy(reference)
+    ref_opt = _optimizer("sgd", reference)
+    first_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=blocking)
+    first = DataParallel(local, comm, optimizer=first_opt)
+    _train_side_by_side(comm, first, first_opt, reference, ref_opt, steps=2)
+    sent = first.grad_sync.bytes_sent
+    # the second phase: a new optimizer over the same parameters (its state starts afresh, as
+    # the reference's does)
+    ref_opt = _optimizer("sgd", reference)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt)
+    assert first.grad_sync.closed
+    hooks = [h for m in local.modules() for h in m._forward_pre_hooks.values()]
+    assert [getattr(h.fn, "__self__", None) for h in hooks] == [model]
+    _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps=3)
+    assert first.grad_sync.bytes_sent == sent, "the earlier wrapper still exchanged gradients"
+    with pytest.raises(RuntimeError, match="closed"):
+        first(*_data(0, B))
+
+
+def test_wrapping_again_over_other_ranks_raises_and_keeps_the_wrapper(comm):
+    """A module still wrapped over the world cannot be wrapped again over half of it: closing
+    the earlier wrapper would be collective over ranks that do not take part. Every rank of
+    each half raises the same clear error, and the earlier wrapper goes on working."""
+    if comm.size < 2:
+        pytest.skip("needs two ranks to split")
+    local = Net(seed=0)
+    opt = DataParallelOptimizer(_optimizer("sgd", local))
+    model = DataParallel(local, comm, optimizer=opt)
+    half = comm.Split(comm.rank % 2, comm.rank)
+    try:
+        with pytest.raises(ValueError, match="other ranks"):
+            DataParallel(local, half, optimizer=DataParallelOptimizer(_optimizer("sgd", local)))
+    finally:
+        half.Free()
+    x, y = _data(0, B)
+    opt.zero_grad()
+    _loss(model(x, y), y).backward()
+    opt.step()
+    _same_on_all_ranks(comm, local)
+    assert not model.grad_sync.closed
+
+
+@pytest.mark.parametrize("kind", ["DataParallel", "DASO", "FP16Optimizer"])
+def test_a_dropped_model_and_its_wrapper_are_freed(comm, kind, monkeypatch):
+    """A model dropped with its wrapper is freed by the garbage collector: module, wrapper,
+    gradient buckets. torch holds gradient hooks where the collector cannot see them, so a hook
+    bound to the wrapper kept every model of a sweep alive (memory, hooks and communicators)
+    until the end of the program; heatlike's gradient hooks hold their owner weakly."""
+    import gc
+    import weakref
+
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO, FP16Optimizer
+
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", "2" if comm.size % 2 == 0 else "1")
+
+    def build_and_train():
+        net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+        if kind == "DataParallel":
+            opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                        blocking=False)
+            model = DataParallel(net, comm, optimizer=opt)
+        elif kind == "DASO":
+            opt = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=2, comm=comm,
+                       warmup_epochs=1, cooldown_epochs=0)
+            model = DataParallelMultiGPU(net, opt)
+            opt.last_batch = 2
+        else:
+            net = net.half()
+            model = opt = FP16Optimizer(net, average_world=True, comm=comm)
+            opt.set_optimizer(torch.optim.SGD([opt.fp32_params], lr=0.1))
+            for _ in range(2):
+                opt.zero_grad()
+                opt.backward_loss(net(torch.randn(4, 6).half()).float().sum())
+                opt.step()
+            return weakref.ref(net), weakref.ref(opt), weakref.ref(opt.sync)
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 6)).sum().backward()
+            opt.step()
+        return weakref.ref(net), weakref.ref(model), weakref.ref(opt)
+
+    refs = build_and_train()
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True], \
+        "a dropped model or its wrapper is still alive"

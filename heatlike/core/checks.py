@@ -216,16 +216,22 @@ class Hub:
     (once set up), whether the board is *watched* (a gradient synchronization runs on the
     communicator: every collective is verified and polled), the fast paths' counter (a view of
     this rank's position in the board's window), the training-step board and the node-local
-    reduction's workspaces."""
+    reduction's workspaces; and the communicator's name among the ranks (``key``, the same on
+    every member: ``heatlike.core.communication`` names the communicators it creates after their
+    parent and a count of the parent's creations, to free dropped ones together). Nothing a hub
+    holds may refer to a wrapper of its communicator: an owned wrapper's finalizer keeps the hub,
+    to free what it holds with the communicator."""
 
-    __slots__ = ("board", "watched", "count", "steps", "node", "__weakref__")
+    __slots__ = ("board", "watched", "count", "steps", "node", "key", "made", "__weakref__")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str | None = None) -> None:
         self.board: Board | None = None
         self.watched = False
         self.count = None
         self.steps = None
         self.node = None  # the node-local reduction's set-up (heatlike.core._nodereduce)
+        self.key = key
+        self.made: dict = {}  # communicators created from this one: count per group (or None)
 
 
 def hub(handle: MPI.Comm) -> Hub:
@@ -233,7 +239,8 @@ def hub(handle: MPI.Comm) -> Hub:
     key = handle.py2f()
     found = _HUBS.get(key)
     if found is None:
-        found = _HUBS[key] = Hub()
+        name = "w" if handle == MPI.COMM_WORLD else "s" if handle == MPI.COMM_SELF else None
+        found = _HUBS[key] = Hub(name)
     return found
 
 
@@ -713,6 +720,7 @@ def wait(request, what: Callable[[], str], board: Board | None = None, seq: int 
     next_watch = start + min(0.1, every)
     grace = start + 0.2 if _exit["done"] else None
     while not request.Test(status):
+        drive_orphans()
         now = time.monotonic()
         if deadline is not None and now > deadline:
             raise TimeoutError(_stalled(request, what, board, seq,
@@ -791,6 +799,50 @@ def _report_deadlock(board: Board, waiting: list[tuple[int, int, str]]) -> None:
     sys.stderr.flush()
 
 
+# Requests whose owner the garbage collector dropped while they were in flight (a model dropped
+# with its gradients' exchanges still running), each with the MPI communicators it uses
+# (``py2f`` values). The collector runs at a different point on every rank, so the owner's
+# finalizer cannot wait for them there: the other ranks may be waiting for this one in another
+# collective. They stay referenced here, with their buffers, until they complete: every polled
+# wait tests them, and heatlike completes them before it frees a communicator they use
+# (``heatlike.core.communication``) and at the end of the program.
+ORPHANS: list[tuple[object, frozenset[int]]] = []
+# Orphans that completed. Their operations still refer to the communicators they ran on, whose
+# wrappers are freed when the last reference goes; dropping them here, at a point of this
+# rank's own, would free those communicators there. ``heatlike.core.communication`` drops them
+# at a creation of a communicator, where freeing is agreed among the ranks.
+FINISHED: list[object] = []
+_driving = [False]
+
+
+def adopt(requests, comms) -> None:
+    """Keep the unfinished heatlike ``requests`` (whose owner is being collected) until they
+    complete; ``comms``: the MPI communicators their later phases use."""
+    tags = frozenset(c.py2f() for c in comms if c != MPI.COMM_NULL)
+    ORPHANS.extend((r, tags) for r in requests if not r.done)
+
+
+def drive_orphans() -> None:
+    """Test every orphaned request once (never blocks); forget those that completed, or failed
+    (a job that is failing already reports its error elsewhere)."""
+    if not ORPHANS or _driving[0]:
+        return
+    _driving[0] = True
+    try:
+        keep = []
+        for entry in list(ORPHANS):
+            try:
+                if not entry[0].Test():
+                    keep.append(entry)
+                    continue
+            except (RuntimeError, TimeoutError, MPI.Exception) as error:
+                get_logger().debug("an exchange of a dropped model failed: %s", error)
+            FINISHED.append(entry[0])
+        ORPHANS[:] = keep
+    finally:
+        _driving[0] = False
+
+
 def end_of_program() -> None:
     """Mark this rank ended on every board, wait (polling) until every rank of each board has
     ended too, reporting ranks that wait for this one forever, then free the windows in the
@@ -800,6 +852,10 @@ def end_of_program() -> None:
     _exit["started"] = True
     boards = [b for b in _BOARDS if b.established and not b.closed]
     try:
+        give_up = time.monotonic() + 10.0  # every rank's orphans progress at its own exit
+        while ORPHANS and time.monotonic() < give_up:
+            drive_orphans()
+            time.sleep(1e-3)
         if not boards:
             return
         failed = getattr(sys, "last_value", None) is not None  # an uncaught exception

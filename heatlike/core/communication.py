@@ -31,6 +31,7 @@ import contextlib
 import gc
 import inspect
 import itertools
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -320,11 +321,13 @@ def _same_size_send(sendbuf, recv: torch.Tensor, name: str) -> torch.Tensor | No
 # arbitrary point of a rank's program (an allocation), at different points on different ranks,
 # and MPI_Comm_free may synchronize with the other members (MPICH's does for a communicator that
 # used some of its collectives): a rank freeing there can wait for ranks that are waiting for it
-# in another collective. So these are not freed at all; MPI releases them at MPI_Finalize. A
-# wrapper dropped by reference counting (at the same point of every rank's program) or freed
-# explicitly (Free, ``with``) frees its communicator at once.
-_UNFREED: list[MPI.Comm] = []
+# in another collective. So they are not freed there but kept here, and freed together later by
+# ``_reclaim``, at the next creation of a communicator over ranks that include all their members,
+# once every member has dropped them. A wrapper dropped by reference counting (at the same point
+# of every rank's program) or freed explicitly (Free, ``with``) frees its communicator at once.
+_UNFREED: list[tuple[str | None, MPI.Comm, object]] = []  # (key, handle, hub)
 _collecting = [False]
+_deferring = [False]  # dropping objects where freeing is not agreed: queue, as the collector
 
 
 def _track_collection(phase: str, info: dict) -> None:
@@ -334,19 +337,153 @@ def _track_collection(phase: str, info: dict) -> None:
 gc.callbacks.append(_track_collection)
 
 
-def _free_handle(handle: MPI.Comm) -> None:
+def collecting() -> bool:
+    """Whether the cyclic garbage collector is running (at an arbitrary point of this rank's
+    program, not one every rank shares): finalizers must not communicate then."""
+    return _collecting[0]
+
+
+def _free_handle(handle: MPI.Comm, hub) -> None:
     if not MPI.Is_finalized() and handle != MPI.COMM_NULL:
         _checks.forget(handle)
-        if _collecting[0]:
-            _UNFREED.append(handle)
+        if _collecting[0] or _deferring[0]:
+            _UNFREED.append((hub.key, handle, hub))
         else:
             handle.Free()
 
 
+def _reclaim(comm: MPICommunication) -> None:
+    """Collective over ``comm``: free the communicators the garbage collector dropped (kept in
+    ``_UNFREED``) whose members all belong to ``comm`` and have all dropped them.
+
+    First the ranks say whether any holds something a dropped model left (an all-reduce of two
+    bytes; nothing more when none does); then :func:`_collect_dropped_models`, and every rank
+    sends the keys of the communicators it holds (an all-gather; neither for a communicator of
+    one rank); a communicator is freed where each of its members listed its key, in key order. Every
+    member reads the same lists, so its members free it together, in the same order, as an
+    explicit ``Free()`` would; one still alive on some member waits for a later call. Only
+    communicators heatlike created from the world (or from one it created) have a key: the
+    children of a communicator the program made itself are left to MPI_Finalize."""
+    held = _held_within(comm)
+    if comm.size == 1:  # this rank alone: nothing to agree on, and no other rank to drive
+        lists = [set(held)]
+    else:
+        dropped = bool(held or _checks.ORPHANS or _checks.FINISHED)
+        due = dropped and time.monotonic() - _last_collection[0] >= COLLECT_EVERY
+        flags = np.array([dropped, due], dtype=np.int8)
+        _checks.wait(comm.handle.Iallreduce(MPI.IN_PLACE, [flags, MPI.INT8_T], MPI.MAX),
+                     lambda: f"freeing the communicators the garbage collector dropped on "
+                             f"{comm!r}")
+        if not flags[0]:
+            return
+        _collect_dropped_models(bool(flags[1]))
+        held = _held_within(comm)
+        lists = [set(keys) for keys in _checks.gather_objects(
+            comm, sorted(held), "freeing the communicators the garbage collector dropped")]
+    doomed = [held[key][0] for key in sorted(held)
+              if all(key in lists[m] for m in held[key][1])]
+    # the exchanges the dropped models left in flight on them complete first: every member
+    # collected those models in the pass that dropped these communicators, so each drives its
+    # share here
+    tags = {handle.py2f() for _, handle, _ in doomed}
+    flying = [request for request, uses in _checks.ORPHANS if uses & tags]
+    if flying:
+        _checks.wait(_AllOf(flying), lambda: "the exchanges dropped models left in flight",
+                     watch=lambda: None)
+    for entry in doomed:
+        _UNFREED.remove(entry)
+        key, handle, hub = entry
+        if hub is not None:
+            _release_hub_of(hub, f"freeing the dropped communicator {key}")
+        handle.Free()
+
+
+def _held_within(comm: MPICommunication) -> dict[str, tuple]:
+    """The dropped communicators this rank holds whose members all belong to ``comm``: key ->
+    (entry, their ranks in ``comm``)."""
+    group = comm.handle.Get_group()
+    held: dict[str, tuple] = {}
+    try:
+        for entry in list(_UNFREED):  # the collector may add to it meanwhile
+            key, handle, _ = entry
+            if key is None or handle == MPI.COMM_NULL:
+                continue
+            members_group = handle.Get_group()
+            members = MPI.Group.Translate_ranks(members_group, list(range(handle.Get_size())),
+                                                group)
+            members_group.Free()
+            if MPI.UNDEFINED not in members:
+                held[key] = (entry, members)
+    finally:
+        group.Free()
+    return held
+
+
+#: at most one collection every that many seconds on a rank that holds something a dropped model
+#: left (a full collection of a process that imported torch takes about 0.2 s); the collector's
+#: own runs free the rest meanwhile
+COLLECT_EVERY = 30.0
+_last_collection = [float("-inf")]
+
+#: seconds a creation waits for the exchanges dropped models left in flight before it frees
+#: what it can (past it, they wait for the next creation)
+ORPHAN_PATIENCE = 10.0
+
+
+def _collect_dropped_models(collect: bool) -> None:
+    """Part of :func:`_reclaim`, where some rank of the communicator holds something a dropped
+    model left. With ``collect`` (some rank has not collected for :data:`COLLECT_EVERY`
+    seconds: the same on every rank) the garbage collector runs on every rank at this same
+    point, so every rank has found the same dropped models (their exchanges in flight adopted,
+    their communicators queued), and those exchanges progress on every rank together until they
+    complete (within :data:`ORPHAN_PATIENCE`); without, they are tested once. The completed
+    ones are dropped where that only queues the communicators they ran on."""
+    if collect:
+        gc.collect()
+        _last_collection[0] = time.monotonic()
+        give_up = _last_collection[0] + ORPHAN_PATIENCE
+        while _checks.ORPHANS and time.monotonic() < give_up:
+            _checks.drive_orphans()
+            if _checks.ORPHANS:
+                time.sleep(1e-4)
+    else:
+        _checks.drive_orphans()
+    if not _checks.FINISHED:
+        return
+    _deferring[0] = True
+    try:
+        _checks.FINISHED.clear()
+        gc.collect()  # what the finished operations held in reference cycles
+    finally:
+        _deferring[0] = False
+
+
+class _AllOf:
+    """Waitable: done when every request of ``requests`` is (testing drives every orphan)."""
+
+    def __init__(self, requests: list) -> None:
+        self.requests = requests
+
+    def Test(self, status=None) -> bool:
+        _checks.drive_orphans()
+        return all(r.done for r in self.requests)
+
+
+def _release_hub_of(hub, what: str) -> None:
+    """Collective, as freeing the communicator: the node-local reduction's workspaces and the
+    board heatlike keeps for it."""
+    _nodereduce.release(hub)
+    board = hub.board
+    if board is not None:
+        board.release(what)
+
+
 def unfreed_communicators() -> int:
-    """How many communicators heatlike left to MPI_Finalize because the cyclic garbage
-    collector, not the program, dropped their last wrapper (free them with ``Free()`` or a
-    ``with`` block to keep this at 0; MPI allows a couple of thousand at once)."""
+    """How many communicators whose last wrapper the cyclic garbage collector, not the program,
+    dropped are not freed yet. heatlike frees them at the next creation of a communicator
+    (``Dup``, ``Split``, ...) over ranks that include all their members, once every member has
+    dropped them; those made from a communicator the program created itself are left to
+    MPI_Finalize. ``Free()`` or a ``with`` block frees a communicator at once."""
     return len(_UNFREED)
 
 
@@ -506,7 +643,8 @@ class MPICommunication:
         self._hub = _checks.hub(handle)  # board, watch state: shared by wrappers of the handle
         self.rank: int = handle.Get_rank()
         self.size: int = handle.Get_size()
-        self._finalizer = weakref.finalize(self, _free_handle, handle) if _owned else None
+        self._finalizer = weakref.finalize(self, _free_handle, handle, self._hub) \
+            if _owned else None
 
     # -- basics ------------------------------------------------------------------------------
 
@@ -670,19 +808,32 @@ class MPICommunication:
 
     # -- communicator management -------------------------------------------------------------
 
-    def _owned(self, handle: MPI.Comm, serial: bool = False) -> MPICommunication | None:
+    def _owned(self, handle: MPI.Comm, serial: bool = False,
+               group: tuple[int, ...] | None = None) -> MPICommunication | None:
+        """Wrap ``handle``, just created from this communicator by a call every rank of it
+        makes (of ``group`` only, for ``Create_group``), and name it among its members: this
+        communicator's key and how many this one made (``Hub.key``; None below a communicator
+        the program made itself)."""
+        made = self._hub.made
+        made[group] = n = made.get(group, 0) + 1
         if handle == MPI.COMM_NULL:
             return None
-        return MPICommunication(handle, serial=serial, _owned=True)
+        wrapper = MPICommunication(handle, serial=serial, _owned=True)
+        if self._hub.key is not None:
+            where = "" if group is None else "g" + "-".join(map(str, group))
+            wrapper._hub.key = f"{self._hub.key}.{where}{n}"
+        return wrapper
 
     def Split(self, color: int = 0, key: int = 0) -> MPICommunication | None:
         """Collective: sub-communicators of ranks with equal ``color`` ordered by ``key``;
         ``color=MPI.UNDEFINED`` returns None."""
+        _reclaim(self)
         return self._owned(self.handle.Split(color, key))
 
     def Split_type(self, split_type: int = MPI.COMM_TYPE_SHARED, key: int = 0,
                    info: MPI.Info = MPI.INFO_NULL) -> MPICommunication | None:
         """Collective: split by ``split_type`` (default: ranks sharing memory, i.e. a node)."""
+        _reclaim(self)
         return self._owned(self.handle.Split_type(split_type, key, info))
 
     def Create_group(self, ranks: Sequence[int] | MPI.Group, tag: int = 0
@@ -706,7 +857,11 @@ class MPICommunication:
         try:
             if group.Get_rank() == MPI.UNDEFINED:
                 return None
-            return self._owned(self.handle.Create_group(group, tag))
+            mine = self.handle.Get_group()
+            members = tuple(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
+                                                      mine))
+            mine.Free()
+            return self._owned(self.handle.Create_group(group, tag), group=members)
         finally:
             if free_group:
                 group.Free()
@@ -717,6 +872,7 @@ class MPICommunication:
         ``sources`` and sends to ``destinations`` (for neighborhood collectives)."""
         for r in (*sources, *destinations):
             self._check_peer(r, "neighbor")
+        _reclaim(self)
         return self._owned(self.handle.Create_dist_graph_adjacent(
             list(sources), list(destinations), reorder=reorder))
 
@@ -733,6 +889,7 @@ class MPICommunication:
         While a deadline or stall warning is set, or once the communicator has a board
         (``heatlike.core.checks``), the duplicate is made with the non-blocking
         ``MPI_Comm_idup`` and waited for like a collective."""
+        _reclaim(self)
         board = self._hub.board
         if self.size > 1 and (_checks.watching() or (board is not None and board.established)):
             # the same choice on every rank: a non-blocking duplicate, waited for like a
@@ -758,10 +915,7 @@ class MPICommunication:
         the board."""
         if self._finalizer is None or not self._finalizer.alive:
             return
-        _nodereduce.release(self._hub)
-        board = self._hub.board
-        if board is not None:
-            board.release(f"freeing {self!r}")
+        _release_hub_of(self._hub, f"freeing {self!r}")
 
     @property
     def freed(self) -> bool:

@@ -55,11 +55,12 @@ from ..core import checks as _checks
 from ..core._buffers import staged
 from ..core._staging import chunk_bytes
 from ..core.agreement import agree_on, raise_together
-from ..core.communication import MPICommunication, Request, sanitize_comm
+from ..core.communication import MPICommunication, Request, collecting, sanitize_comm
 from ..core.env import env_int
 from .buckets import Bucket, dense, plan_buckets
 from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
+from .hooks import on_gradient, remove_when_dropped
 from .liveness import board_of
 from .reducers import AllReduce, Reducer
 
@@ -80,10 +81,18 @@ def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     return grad is not None and grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
 
 
-def _complete_all(requests: dict) -> None:
+def _complete_all(requests: dict, comms: list) -> None:
+    """The finalizer of a gradient synchronization: its exchanges still in flight are completed
+    where the synchronization is dropped at the same point on every rank (reference counting,
+    the end of the program); when the garbage collector drops it, at a point of its own on
+    every rank, they are handed to ``heatlike.core.checks.adopt`` instead (waiting there could
+    wait for ranks that wait for this one). ``comms``: the MPI communicators of its channels."""
     from mpi4py import MPI
 
     if MPI.Is_finalized():
+        return
+    if collecting():
+        _checks.adopt(requests.values(), comms)
         return
     for request in requests.values():
         if not request.done:
@@ -166,6 +175,9 @@ class GradientSync:
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         if getattr(self.reducer, "mixes", False):
             raise ValueError("gradient buckets need a summing reducer, not gossip")
+        # the MPI communicators its exchanges use (for its finalizer: not the wrappers, which
+        # it would keep alive)
+        self._channel_handles = [self.comm.handle]
         self.lane = self._new_lane(self.reducer, self._pipelined())
         # one rank, a lossless codec and a plain sum or average: the exchange is the identity, so
         # there is nothing to do (no hooks, no copies, no collectives); .grad stays as backward
@@ -199,13 +211,14 @@ class GradientSync:
         self.unsynced = False  # gradients were produced under no_sync since the last sync
         self._callback_queued = False
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+        self._hooks = [on_gradient(p, self._on_grad)
                        for p in self.params] if hooks and not self.passthrough else []
+        remove_when_dropped(self, self._hooks)
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
-        weakref.finalize(self, _complete_all, self._requests)
+        weakref.finalize(self, _complete_all, self._requests, self._channel_handles)
 
     def _plan(self, order: list[torch.nn.Parameter], sizes: list[int] | None = None) -> None:
         self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes)
@@ -243,7 +256,9 @@ class GradientSync:
         before it, so the links carry several buckets' chunks between the rank's calls into
         MPI."""
         width = max(1, min(self.concurrent_buckets, len(self.buckets)))
-        return Lane(self.codec, reducer, pipelined=pipelined, width=width)
+        lane = Lane(self.codec, reducer, pipelined=pipelined, width=width)
+        self._channel_handles += lane.handles()
+        return lane
 
     # -- the cycle: begin, mark, launch, wait, unpack, end --------------------------------------
 

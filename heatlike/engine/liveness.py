@@ -42,7 +42,8 @@ class StepBoard:
     """Training steps of the ranks of one communicator (module docstring)."""
 
     def __init__(self, comm: MPICommunication) -> None:
-        self.comm = comm
+        # nothing here may refer to ``comm``'s wrapper: the hub that holds this board outlives
+        # it (heatlike.core.checks.Hub)
         self.step = 0
         self.board: Board | None = comm._arrival_board("the setup of the gradient "
                                                        "synchronization")

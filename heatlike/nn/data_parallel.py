@@ -23,9 +23,11 @@ import torch
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..core.env import env_float
+from ..core.log import get_logger
 from ..engine.autotune import autotune
 from ..engine.codecs import Cast, Codec, codec_error
 from ..engine.gradsync import GradientSync
+from ..engine.hooks import on_gradient, remove_when_dropped
 from ..engine.replicas import (
     average_tensors,
     broadcast_module,
@@ -132,6 +134,7 @@ class DataParallel(torch.nn.Module):
         if error is None and not (isinstance(codec, str) and codec == "auto"):
             codec, error = codec_error(codec)
         raise_together(error, comm)
+        _take_over(module, comm, "DataParallel")
         if force_blocking:
             requested = optimizer.blocking if blocking_parameter_updates is None else \
                 blocking_parameter_updates
@@ -282,12 +285,16 @@ class DataParallel(torch.nn.Module):
             self.grad_sync.enabled = old
 
     def close(self) -> None:
-        """Collective: apply pending updates and free the communicators of the gradient
-        synchronization (its private channel), for programs that build many models in one
-        process (MPI has room for a couple of thousand communicators). A training forward pass
-        afterwards raises RuntimeError (it would not synchronize); evaluation still works."""
+        """Collective: apply pending updates, take the wrapper's hooks off the module and free
+        the communicators of the gradient synchronization (its private channels), for programs
+        that build many models in one process (MPI has room for a couple of thousand
+        communicators). The module is then a plain module again; a training forward pass through
+        this wrapper raises RuntimeError (it would not synchronize), evaluation still works.
+        Wrapping the module again closes the earlier wrapper this way."""
         self.flush()
         self.grad_sync.close()
+        for handle in self._handles:
+            handle.remove()
 
     def flush(self) -> None:
         """Apply pending (non-blocking) parameter updates now."""
@@ -343,6 +350,7 @@ class DataParallelMultiGPU(torch.nn.Module):
         else:
             error = no_trainable_parameters(module, "DataParallelMultiGPU")
         raise_together(error, comm)
+        _take_over(module, comm, "DataParallelMultiGPU")
         broadcast_module(module, comm)
         self.module = module
         self.optimizer = optimizer
@@ -373,8 +381,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         leaves = [m for m in module.modules() if m is not module and not any(m.children())]
         self._poll_handles = [m.register_forward_pre_hook(WrapperHook(self._poll, optional=True))
                               for m in leaves] + \
-            [p.register_post_accumulate_grad_hook(self._poll) for p in module.parameters()
-             if p.requires_grad]
+            [on_gradient(p, self._poll) for p in module.parameters() if p.requires_grad]
+        remove_when_dropped(self, self._poll_handles[len(leaves):])
 
     def _module_pre_hook(self, _module, _args) -> None:
         if not self._in_wrapper:
@@ -407,11 +415,14 @@ class DataParallelMultiGPU(torch.nn.Module):
     def close(self) -> None:
         """Collective: free the communicators of this wrapper's gradient synchronization and of
         its DASO optimizer (:meth:`heatlike.optim.DASO.close`), for programs that build many.
-        Training afterwards raises RuntimeError."""
+        Training afterwards raises RuntimeError; the module is a plain module again (its hooks
+        are removed). Wrapping the module again closes the earlier wrapper this way."""
         if self.grad_sync is not None:
             self.grad_sync.close()
-        self.global_sync = None
+        self.global_sync = None  # DASO's warmup synchronization: DASO.close closes it
         self.optimizer.close()
+        for handle in [self._handle, *self._poll_handles]:
+            handle.remove()
 
     def forward(self, *args, **kwargs):
         run_eagerly(self._enter)
@@ -482,6 +493,49 @@ def _parameters_reached(output) -> set[int]:
             reached.add(id(variable))
         stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
     return reached
+
+
+def _wrappers_of(module: torch.nn.Module) -> list[DataParallel | DataParallelMultiGPU]:
+    """The wrappers whose hooks are on ``module`` or one of its submodules (not closed)."""
+    found: list = []
+    for m in module.modules():
+        for hook in m._forward_pre_hooks.values():
+            owner = getattr(getattr(hook, "fn", None), "__self__", None)
+            if isinstance(owner, (DataParallel, DataParallelMultiGPU)) and \
+                    not any(owner is f for f in found):
+                found.append(owner)
+    return found
+
+
+def _take_over(module: torch.nn.Module, comm: MPICommunication, name: str) -> None:
+    """Collective over ``comm``: close the wrappers an earlier ``DataParallel`` or
+    ``DataParallelMultiGPU`` left on ``module`` (or a submodule), so that a module wrapped again
+    (a second training phase, a notebook cell run twice) is synchronized once, not once per
+    wrapper it ever had. Each earlier wrapper must span the same ranks as ``comm`` (closing it is
+    collective over its communicator): otherwise a clear error on every rank, nothing closed."""
+    earlier = _wrappers_of(module)
+    error = None
+    for old in earlier:
+        if not _same_ranks(old.comm if isinstance(old, DataParallel) else old.optimizer.comm,
+                           comm):
+            error = ValueError(f"the module is still wrapped by a {type(old).__name__} over "
+                               f"other ranks than this {name}'s: close() that wrapper on its "
+                               "ranks first")
+            break
+    raise_together(error, comm)
+    agree_on({"earlier wrappers of the module": [type(old).__name__ for old in earlier]}, comm,
+             name)
+    for old in earlier:
+        get_logger("heatlike.nn").info("%s: closing the earlier %s of this module (a module "
+                                       "is wrapped once)", name, type(old).__name__)
+        old.close()
+
+
+def _same_ranks(a: MPICommunication, b: MPICommunication) -> bool:
+    from mpi4py import MPI
+
+    return MPI.Group.Compare(a.handle.Get_group(), b.handle.Get_group()) in (MPI.IDENT,
+                                                                             MPI.SIMILAR)
 
 
 def _ownership_error(module: torch.nn.Module,

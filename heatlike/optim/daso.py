@@ -63,8 +63,15 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from ..core import checks as _checks
 from ..core.agreement import agree_on, raise_together
-from ..core.communication import MPI_WORLD, MPICommunication, Request, sanitize_comm
+from ..core.communication import (
+    MPI_WORLD,
+    MPICommunication,
+    Request,
+    collecting,
+    sanitize_comm,
+)
 from ..core.topology import Topology
 from ..engine.buckets import comm_buffer, pack, pack_range, unpack
 from ..engine.codecs import Cast
@@ -198,7 +205,9 @@ class DASO(WrappedOptimizer):
         # DataParallelMultiGPU's gradient synchronization over every rank, while the warmup
         # averages gradients (None otherwise)
         self.warmup_grads = None
-        weakref.finalize(self, _complete_pending, self._pending)
+        weakref.finalize(self, _complete_pending, self._pending,
+                         [c.handle for c in (self.topology.node_comm, self.topology.cross_comm)
+                          if c is not None] + self._cross_lane.handles())
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
         self.bytes_warmup = 0  # payload bytes of the warmup's gradient all-reduces (this rank)
@@ -612,9 +621,14 @@ class DASO(WrappedOptimizer):
         self._node_agrees = bool(daso.get("node_agrees", False))
 
 
-def _complete_pending(pending: list) -> None:
-    """Wait for the cross-node all-reduces still in flight (at reset, or when the program ends)."""
+def _complete_pending(pending: list, comms: list | None = None) -> None:
+    """Wait for the cross-node all-reduces still in flight (at reset, or when the program ends);
+    from the garbage collector, hand them to ``heatlike.core.checks.adopt`` instead (``comms``:
+    the MPI communicators they use), as a gradient synchronization's finalizer does."""
     if MPI.Is_finalized():
+        return
+    if comms is not None and collecting():
+        _checks.adopt([r for sync in pending for r in sync.requests], comms)
         return
     for sync in pending:
         for request in sync.requests:

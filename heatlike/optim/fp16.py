@@ -40,6 +40,7 @@ from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..core.topology import get_topology
 from ..engine.gradsync import GradientSync
+from ..engine.hooks import on_gradient, remove_when_dropped
 from ..engine.reducers import AllReduce, Hierarchical
 from ..engine.replicas import broadcast_module
 from .centralized import world_size_error
@@ -101,8 +102,9 @@ class FP16Optimizer(WrappedOptimizer):
         self._queued = False
         self._hooks = []
         if getattr(self.sync, "passthrough", False):  # one rank: the engine installs no hooks
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+            self._hooks = [on_gradient(p, self._on_grad)
                            for p in fp16_model.parameters() if p.requires_grad]
+            remove_when_dropped(self, self._hooks)
 
     def _on_grad(self, _param: torch.Tensor) -> None:
         if not self._queued:
