@@ -800,13 +800,13 @@ def _report_deadlock(board: Board, waiting: list[tuple[int, int, str]]) -> None:
 
 
 # Requests whose owner the garbage collector dropped while they were in flight (a model dropped
-# with its gradients' exchanges still running), each with the MPI communicators it uses
-# (``py2f`` values). The collector runs at a different point on every rank, so the owner's
-# finalizer cannot wait for them there: the other ranks may be waiting for this one in another
-# collective. They stay referenced here, with their buffers, until they complete: every polled
-# wait tests them, and heatlike completes them before it frees a communicator they use
-# (``heatlike.core.communication``) and at the end of the program.
-ORPHANS: list[tuple[object, frozenset[int]]] = []
+# with its gradients' exchanges still running). The collector runs at a different point on
+# every rank, so the owner's finalizer cannot wait for them there: the other ranks may be
+# waiting for this one in another collective. They stay referenced here, with their buffers,
+# until they complete: every polled wait tests them, so does a creation of a communicator
+# (``heatlike.core.communication``), and so does the end of the program. An operation refers to
+# the wrappers of the communicators it runs on, so none of those is freed before it completes.
+ORPHANS: list[object] = []
 # Orphans that completed. Their operations still refer to the communicators they ran on, whose
 # wrappers are freed when the last reference goes; dropping them here, at a point of this
 # rank's own, would free those communicators there. ``heatlike.core.communication`` drops them
@@ -815,11 +815,10 @@ FINISHED: list[object] = []
 _driving = [False]
 
 
-def adopt(requests, comms) -> None:
+def adopt(requests) -> None:
     """Keep the unfinished heatlike ``requests`` (whose owner is being collected) until they
-    complete; ``comms``: the MPI communicators their later phases use."""
-    tags = frozenset(c.py2f() for c in comms if c != MPI.COMM_NULL)
-    ORPHANS.extend((r, tags) for r in requests if not r.done)
+    complete."""
+    ORPHANS.extend(r for r in requests if not r.done)
 
 
 def drive_orphans() -> None:
@@ -830,14 +829,14 @@ def drive_orphans() -> None:
     _driving[0] = True
     try:
         keep = []
-        for entry in list(ORPHANS):
+        for request in list(ORPHANS):
             try:
-                if not entry[0].Test():
-                    keep.append(entry)
+                if not request.Test():
+                    keep.append(request)
                     continue
             except (RuntimeError, TimeoutError, MPI.Exception) as error:
                 get_logger().debug("an exchange of a dropped model failed: %s", error)
-            FINISHED.append(entry[0])
+            FINISHED.append(request)
         ORPHANS[:] = keep
     finally:
         _driving[0] = False

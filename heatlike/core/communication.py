@@ -380,22 +380,13 @@ def _reclaim(comm: MPICommunication) -> None:
         held = _held_within(comm)
         lists = [set(keys) for keys in _checks.gather_objects(
             comm, sorted(held), "freeing the communicators the garbage collector dropped")]
-    doomed = [held[key][0] for key in sorted(held)
-              if all(key in lists[m] for m in held[key][1])]
-    # the exchanges the dropped models left in flight on them complete first: every member
-    # collected those models in the pass that dropped these communicators, so each drives its
-    # share here
-    tags = {handle.py2f() for _, handle, _ in doomed}
-    flying = [request for request, uses in _checks.ORPHANS if uses & tags]
-    if flying:
-        _checks.wait(_AllOf(flying), lambda: "the exchanges dropped models left in flight",
-                     watch=lambda: None)
-    for entry in doomed:
-        _UNFREED.remove(entry)
-        key, handle, hub = entry
-        if hub is not None:
+    for key in sorted(held):
+        entry, members = held[key]
+        if all(key in lists[m] for m in members):
+            _UNFREED.remove(entry)
+            _, handle, hub = entry
             _release_hub_of(hub, f"freeing the dropped communicator {key}")
-        handle.Free()
+            handle.Free()
 
 
 def _held_within(comm: MPICommunication) -> dict[str, tuple]:
@@ -456,17 +447,6 @@ def _collect_dropped_models(collect: bool) -> None:
         gc.collect()  # what the finished operations held in reference cycles
     finally:
         _deferring[0] = False
-
-
-class _AllOf:
-    """Waitable: done when every request of ``requests`` is (testing drives every orphan)."""
-
-    def __init__(self, requests: list) -> None:
-        self.requests = requests
-
-    def Test(self, status=None) -> bool:
-        _checks.drive_orphans()
-        return all(r.done for r in self.requests)
 
 
 def _release_hub_of(hub, what: str) -> None:

@@ -205,11 +205,6 @@ class Lane:
         """The first private channel (None for a shared lane, or once closed)."""
         return self.channels[0] if self.channels else None
 
-    def handles(self) -> list:
-        """The MPI communicators of the private channels (none for a shared lane)."""
-        return [comm.handle for channel in self.channels
-                for comm in (channel.values() if isinstance(channel, dict) else [channel])]
-
     def close(self) -> None:
         """Collective: free the private channels' communicators (after the last exchange has
         completed; a closed lane starts nothing more)."""

@@ -81,18 +81,18 @@ def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     return grad is not None and grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
 
 
-def _complete_all(requests: dict, comms: list) -> None:
+def _complete_all(requests: dict) -> None:
     """The finalizer of a gradient synchronization: its exchanges still in flight are completed
     where the synchronization is dropped at the same point on every rank (reference counting,
     the end of the program); when the garbage collector drops it, at a point of its own on
     every rank, they are handed to ``heatlike.core.checks.adopt`` instead (waiting there could
-    wait for ranks that wait for this one). ``comms``: the MPI communicators of its channels."""
+    wait for ranks that wait for this one)."""
     from mpi4py import MPI
 
     if MPI.Is_finalized():
         return
     if collecting():
-        _checks.adopt(requests.values(), comms)
+        _checks.adopt(requests.values())
         return
     for request in requests.values():
         if not request.done:
@@ -175,9 +175,6 @@ class GradientSync:
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         if getattr(self.reducer, "mixes", False):
             raise ValueError("gradient buckets need a summing reducer, not gossip")
-        # the MPI communicators its exchanges use (for its finalizer: not the wrappers, which
-        # it would keep alive)
-        self._channel_handles = [self.comm.handle]
         self.lane = self._new_lane(self.reducer, self._pipelined())
         # one rank, a lossless codec and a plain sum or average: the exchange is the identity, so
         # there is nothing to do (no hooks, no copies, no collectives); .grad stays as backward
@@ -218,7 +215,7 @@ class GradientSync:
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
-        weakref.finalize(self, _complete_all, self._requests, self._channel_handles)
+        weakref.finalize(self, _complete_all, self._requests)
 
     def _plan(self, order: list[torch.nn.Parameter], sizes: list[int] | None = None) -> None:
         self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes)
@@ -256,9 +253,7 @@ class GradientSync:
         before it, so the links carry several buckets' chunks between the rank's calls into
         MPI."""
         width = max(1, min(self.concurrent_buckets, len(self.buckets)))
-        lane = Lane(self.codec, reducer, pipelined=pipelined, width=width)
-        self._channel_handles += lane.handles()
-        return lane
+        return Lane(self.codec, reducer, pipelined=pipelined, width=width)
 
     # -- the cycle: begin, mark, launch, wait, unpack, end --------------------------------------
 

@@ -534,8 +534,12 @@ def _take_over(module: torch.nn.Module, comm: MPICommunication, name: str) -> No
 def _same_ranks(a: MPICommunication, b: MPICommunication) -> bool:
     from mpi4py import MPI
 
-    return MPI.Group.Compare(a.handle.Get_group(), b.handle.Get_group()) in (MPI.IDENT,
-                                                                             MPI.SIMILAR)
+    ga, gb = a.handle.Get_group(), b.handle.Get_group()
+    try:
+        return MPI.Group.Compare(ga, gb) in (MPI.IDENT, MPI.SIMILAR)
+    finally:
+        ga.Free()
+        gb.Free()
 
 
 def _ownership_error(module: torch.nn.Module,

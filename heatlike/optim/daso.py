@@ -205,9 +205,7 @@ class DASO(WrappedOptimizer):
         # DataParallelMultiGPU's gradient synchronization over every rank, while the warmup
         # averages gradients (None otherwise)
         self.warmup_grads = None
-        weakref.finalize(self, _complete_pending, self._pending,
-                         [c.handle for c in (self.topology.node_comm, self.topology.cross_comm)
-                          if c is not None] + self._cross_lane.handles())
+        weakref.finalize(self, _complete_pending, self._pending)
         self.bytes_cross = 0  # bytes this rank sent over the cross-node communicator
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
         self.bytes_warmup = 0  # payload bytes of the warmup's gradient all-reduces (this rank)
@@ -621,14 +619,14 @@ class DASO(WrappedOptimizer):
         self._node_agrees = bool(daso.get("node_agrees", False))
 
 
-def _complete_pending(pending: list, comms: list | None = None) -> None:
+def _complete_pending(pending: list) -> None:
     """Wait for the cross-node all-reduces still in flight (at reset, or when the program ends);
-    from the garbage collector, hand them to ``heatlike.core.checks.adopt`` instead (``comms``:
-    the MPI communicators they use), as a gradient synchronization's finalizer does."""
+    from the garbage collector, hand them to ``heatlike.core.checks.adopt`` instead, as a
+    gradient synchronization's finalizer does."""
     if MPI.Is_finalized():
         return
-    if comms is not None and collecting():
-        _checks.adopt([r for sync in pending for r in sync.requests], comms)
+    if collecting():
+        _checks.adopt([r for sync in pending for r in sync.requests])
         return
     for sync in pending:
         for request in sync.requests:
