@@ -21,10 +21,10 @@ Protocol of one all-reduce (:class:`Pipeline`):
 
 The steps advance whenever the operation is tested or waited for (``Test``/``Wait`` of its request,
 :func:`~heatlike.core.communication.wait_all`, the engine's progress calls), and a blocking call
-drives them to the end. The later chunks' collectives start when this rank's progress reaches
-them, so a non-blocking pipelined reduction is only used on a communicator that promises one
-operation at a time (``Dup(serial=True)``, the engine's private channels); elsewhere the
-non-blocking form stages the whole buffer at once (a single collective).
+drives them to the end (polling while a copy is in flight). The later chunks' collectives start
+when this rank's progress reaches them, so a non-blocking pipelined reduction is only used on a
+communicator that promises one operation at a time (``Dup(serial=True)``, the engine's private
+channels); elsewhere the non-blocking form stages the whole buffer at once (a single collective).
 
 Each chunk is reduced element by element exactly as in one call; only the MPI library's choice
 of algorithm for the smaller message can change the order in which floating-point values of
@@ -191,14 +191,14 @@ class Pipeline:
         return self.finished
 
     def Wait(self, status: MPI.Status | None = None) -> None:
+        """Drive the pipeline to its end. While a copy is in flight the stages are polled, so a
+        chunk's collective starts the moment its copy ends (blocking in the oldest chunk's
+        collective instead left the next chunks' collectives unstarted until it completed:
+        16 MiB took 1.15-1.22x the host all-reduce's time on an H200, polled 0.99-1.12x); once
+        every chunk in flight is in MPI, it blocks in the oldest one's."""
         while not self.Test():
-            c = self.flight[0]  # block on the oldest chunk's current stage
-            if c.stage == "in" and c.event is not None:
-                c.event.synchronize()
-            elif c.stage == "mpi":
-                c.request.Wait()
-            elif c.stage == "out" and c.event is not None:
-                c.event.synchronize()
+            if all(c.stage == "mpi" for c in self.flight):
+                self.flight[0].request.Wait()
 
     def Cancel(self) -> None:
         """Collectives cannot be cancelled: nothing to do (as for MPI)."""
