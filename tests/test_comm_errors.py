@@ -136,3 +136,62 @@ def test_freeing_a_communicator_frees_its_board(comm):
     finally:
         checks.set_check(was)
     _still_in_step(comm)
+
+
+def _one_rank_wrong(comm):
+    """Rooted collectives where only one rank passes wrong arguments, which only that rank can
+    see (the root's counts and buffers, a non-root's IN_PLACE): (who fails, call, its reason).
+    Every receive buffer starts at -1."""
+    size, rank, last = comm.size, comm.rank, comm.size - 1
+    src = torch.arange(3.0 * size)
+    recv = torch.full((3,), -1.0)
+    gathered = torch.full((3 * size,), -1.0)
+    ones = [3] * size
+    cases = [
+        (0, lambda: comm.Scatterv((src, [3] * (size - 1) + [30]) if rank == 0 else None, recv,
+                                  root=0), "does not fit"),
+        (0, lambda: comm.Iscatterv((src, ones, [0] * (size - 1) + [9 * size])
+                                   if rank == 0 else None, recv, root=0).Wait(), "does not fit"),
+        (0, lambda: comm.Gatherv(torch.ones(3), (gathered, ones, [-1] + [3] * (size - 1))
+                                 if rank == 0 else None, root=0), "block 0"),
+        (0, lambda: comm.Igatherv(torch.ones(3), (gathered, [4] * size) if rank == 0 else None,
+                                  root=0).Wait(), "does not fit"),
+        (0, lambda: comm.Gather(torch.ones(3), gathered[:-1] if rank == 0 else None, root=0),
+         "recvbuf"),
+        (0, lambda: comm.Scatter(src[1:] if rank == 0 else None, recv, root=0), "sendbuf"),
+    ]
+    if size > 1:
+        cases += [
+            (last, lambda: comm.Scatterv((src, ones) if rank == 0 else None,
+                                         hl.IN_PLACE if rank == last else recv, root=0),
+             "IN_PLACE"),
+            (last, lambda: comm.Gatherv(hl.IN_PLACE if rank == last else torch.ones(3),
+                                        (gathered, ones) if rank == 0 else None, root=0),
+             "IN_PLACE"),
+            (last, lambda: comm.Gather(torch.ones(3), gathered, root=0 if rank != last else 1.5),
+             "root"),
+        ]
+    return cases, recv, gathered
+
+
+def test_one_ranks_wrong_rooted_arguments_raise_on_every_rank(comm):
+    """A rooted collective whose arguments only one rank gets wrong (the root's counts and
+    displacements, a non-root's IN_PLACE or root) raises on every rank, in the blocking and the
+    non-blocking forms: that rank its own reason, the others a ValueError or TypeError naming it;
+    nothing was received and the next collective matches (before, the other ranks waited in
+    the collective forever)."""
+    cases, recv, gathered = _one_rank_wrong(comm)
+    for i, (who, call, reason) in enumerate(cases):
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        text = str(info.value)
+        if comm.rank == who:
+            assert reason.lower() in text.lower(), (i, text)
+        else:
+            assert f"rank(s) [{who}]" in text and "nothing was sent" in text, (i, text)
+        assert (recv == -1).all() and (gathered == -1).all(), i
+        _still_in_step(comm)
+    # and right arguments still work: the root's scatter of 3 values per rank
+    src = torch.arange(3.0 * comm.size)
+    comm.Scatterv((src, [3] * comm.size) if comm.rank == 0 else None, recv, root=0)
+    assert recv.tolist() == [3.0 * comm.rank + j for j in range(3)]

@@ -786,6 +786,67 @@ class MPICommunication:
             return root, True, None
         return root, is_root, _buffer(sendbuf, "sendbuf", name, axis)[0]
 
+    def _rooted_v_buffers(self, name: str, root: object, own: object, own_arg: str,
+                          whole: object, whole_arg: str, axis: object,
+                          recv_axis: object) -> tuple:
+        """The checked arguments of ``Gatherv`` and ``Scatterv``: ``(root, is_root, own part,
+        its write-back, whole buffer, its write-back, counts, displs)``. ``own`` is this rank's
+        part (Gatherv's ``sendbuf``, Scatterv's ``recvbuf``; ``MPI.IN_PLACE`` at the root
+        only), ``whole`` the root's ``(array, counts[, displs])`` (the other ranks' is
+        ignored); counts are in slices along ``axis`` (the send side) and ``recv_axis``."""
+        at = _check_axis(axis, "axis", name)
+        recv_at = at if recv_axis is None else _check_axis(recv_axis, "recv_axis", name)
+        own_write = own_arg == "recvbuf"
+        own_at, whole_at = (recv_at, at) if own_write else (at, recv_at)
+        root = self._check_root(root)
+        is_root = self.rank == root
+        mine = mine_back = None
+        if own is IN_PLACE:
+            if not is_root:
+                raise ValueError(f"{name}: MPI.IN_PLACE as {own_arg} is only valid at the root")
+        else:
+            mine, mine_back = _own_part(own, own_arg, self.rank, self.size, own_write, name,
+                                        own_at)
+        full = full_back = counts = displs = None
+        if is_root:
+            full, full_back, counts, displs = _vbuffer(whole, whole_arg, self.size,
+                                                       not own_write, name, whole_at)
+            if mine is not None:
+                _same_dtype(*((full, mine) if own_write else (mine, full)), name)
+                _expect_numel(mine, counts[root], own_arg, name, f"{whole_arg} counts[root]")
+                _no_alias(*((full, mine) if own_write else (mine, full)), name)
+        return root, is_root, mine, mine_back, full, full_back, counts, displs
+
+    def _agreed(self, name: str, check: Callable[[], tuple]) -> tuple:
+        """``check()``, the argument checks of a rooted collective, with their verdict shared
+        before anything is sent. Some of those checks only one rank can make (the root's counts,
+        displacements and buffers; a rank's own receive buffer), so a failure would otherwise
+        raise on that rank alone and leave the others waiting in the collective. The ranks
+        all-gather one byte each (a collective of its own, waited for at the call even in the
+        non-blocking forms, so every rank issues its collectives in the program's order); a rank
+        whose checks failed raises its error, every other rank a ValueError (TypeError where
+        that was the failing rank's error) naming the ranks that failed."""
+        error = None
+        try:
+            result = check()
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if self.size > 1:
+            mine = np.array([0 if error is None else 2 if isinstance(error, TypeError) else 1],
+                            dtype=np.int8)
+            verdicts = np.empty(self.size, dtype=np.int8)
+            _checks.wait(self.handle.Iallgather([mine, MPI.INT8_T], [verdicts, MPI.INT8_T]),
+                         lambda: f"{name}'s argument check on {self._name}")
+            failed = np.flatnonzero(verdicts).tolist()
+            if failed and error is None:
+                kind = TypeError if verdicts[failed[0]] == 2 else ValueError
+                raise kind(f"{name} on {self._name}: the arguments of rank(s) {failed} were "
+                           "rejected there (the reason is raised on those ranks); nothing was "
+                           "sent")
+        if error is not None:
+            raise error
+        return result
+
     # -- communicator management -------------------------------------------------------------
 
     def _owned(self, handle: MPI.Comm, serial: bool = False,
@@ -1325,19 +1386,24 @@ class MPICommunication:
         ``axis`` of the send buffers and ``recv_axis`` (default: ``axis``) of the receive buffer
         (``sendbuf`` may be ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
         size = self.size
-        axis = _check_axis(axis, "axis", "Gather")
-        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Gather")
-        root, is_root, send = self._rooted_send(sendbuf, root, "Gather", axis)
-        recv = back = None
-        if is_root:
-            recv, back = _buffer(recvbuf, "recvbuf", "Gather", recv_axis, write=True)
-            if send is None:
-                _expect_divisible(recv, size, "recvbuf", "Gather")
-            else:
-                _same_dtype(send, recv, "Gather")
-                _expect_numel(recv, size * send.numel(), "recvbuf", "Gather",
-                              "communicator size x size of sendbuf")
-                _no_alias(send, recv, "Gather")
+
+        def check() -> tuple:
+            at = _check_axis(axis, "axis", "Gather")
+            recv_at = at if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Gather")
+            root_, is_root_, send_ = self._rooted_send(sendbuf, root, "Gather", at)
+            recv_ = back_ = None
+            if is_root_:
+                recv_, back_ = _buffer(recvbuf, "recvbuf", "Gather", recv_at, write=True)
+                if send_ is None:
+                    _expect_divisible(recv_, size, "recvbuf", "Gather")
+                else:
+                    _same_dtype(send_, recv_, "Gather")
+                    _expect_numel(recv_, size * send_.numel(), "recvbuf", "Gather",
+                                  "communicator size x size of sendbuf")
+                    _no_alias(send_, recv_, "Gather")
+            return root_, is_root_, send_, recv_, back_
+
+        root, is_root, send, recv, back = self._agreed("Gather", check)
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1355,25 +1421,12 @@ class MPICommunication:
         (default: ``axis``, the axis the send buffers are read along). ``sendbuf`` may be
         ``MPI.IN_PLACE`` at the root, or ``(array, counts[, displs])`` to send this rank's
         part."""
-        axis = _check_axis(axis, "axis", "Gatherv")
-        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Gatherv")
-        root = self._check_root(root)
-        is_root = self.rank == root
-        if sendbuf is IN_PLACE:
-            if not is_root:
-                raise ValueError("Gatherv: MPI.IN_PLACE as sendbuf is only valid at the root")
-            send = None
-        else:
-            send, _ = _own_part(sendbuf, "sendbuf", self.rank, self.size, False, "Gatherv",
-                                axis)
-        recv = back = None
-        if is_root:
-            recv, back, counts, displs = _vbuffer(recvbuf, "recvbuf", self.size, True,
-                                                  "Gatherv", recv_axis)
-            if send is not None:
-                _same_dtype(send, recv, "Gatherv")
-                _expect_numel(send, counts[root], "sendbuf", "Gatherv", "recvbuf counts[root]")
-                _no_alias(send, recv, "Gatherv")
+        def check() -> tuple:
+            root_, is_root_, send_, _, recv_, back_, counts_, displs_ = self._rooted_v_buffers(
+                "Gatherv", root, sendbuf, "sendbuf", recvbuf, "recvbuf", axis, recv_axis)
+            return root_, is_root_, send_, recv_, back_, counts_, displs_
+
+        root, is_root, send, recv, back, counts, displs = self._agreed("Gatherv", check)
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1389,25 +1442,31 @@ class MPICommunication:
         """Block r of ``sendbuf`` at ``root`` along ``axis`` goes to ``recvbuf`` of rank r, read
         along ``recv_axis`` (default: ``axis``); ``recvbuf`` may be ``MPI.IN_PLACE`` at the root;
         ``sendbuf`` is ignored elsewhere."""
-        axis = _check_axis(axis, "axis", "Scatter")
-        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Scatter")
-        root = self._check_root(root)
-        size, is_root = self.size, self.rank == root
-        send = recv = back = None
-        if recvbuf is IN_PLACE:
-            if not is_root:
-                raise ValueError("Scatter: MPI.IN_PLACE as recvbuf is only valid at the root")
-        else:
-            recv, back = _buffer(recvbuf, "recvbuf", "Scatter", recv_axis, write=True)
-        if is_root:
-            send, _ = _buffer(sendbuf, "sendbuf", "Scatter", axis)
-            if recv is None:
-                _expect_divisible(send, size, "sendbuf", "Scatter")
+        size = self.size
+
+        def check() -> tuple:
+            at = _check_axis(axis, "axis", "Scatter")
+            recv_at = at if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Scatter")
+            root_ = self._check_root(root)
+            is_root_ = self.rank == root_
+            send_ = recv_ = back_ = None
+            if recvbuf is IN_PLACE:
+                if not is_root_:
+                    raise ValueError("Scatter: MPI.IN_PLACE as recvbuf is only valid at the root")
             else:
-                _same_dtype(send, recv, "Scatter")
-                _expect_numel(send, size * recv.numel(), "sendbuf", "Scatter",
-                              "communicator size x size of recvbuf")
-                _no_alias(send, recv, "Scatter")
+                recv_, back_ = _buffer(recvbuf, "recvbuf", "Scatter", recv_at, write=True)
+            if is_root_:
+                send_, _ = _buffer(sendbuf, "sendbuf", "Scatter", at)
+                if recv_ is None:
+                    _expect_divisible(send_, size, "sendbuf", "Scatter")
+                else:
+                    _same_dtype(send_, recv_, "Scatter")
+                    _expect_numel(send_, size * recv_.numel(), "sendbuf", "Scatter",
+                                  "communicator size x size of recvbuf")
+                    _no_alias(send_, recv_, "Scatter")
+            return is_root_, send_, recv_, back_, root_
+
+        is_root, send, recv, back, root = self._agreed("Scatter", check)
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:
@@ -1424,24 +1483,12 @@ class MPICommunication:
         ``counts[r]`` slices along ``axis`` at ``displs[r]`` go to ``recvbuf`` of rank r, read
         along ``recv_axis`` (default: ``axis``). ``recvbuf`` may be ``MPI.IN_PLACE`` at the
         root, or ``(array, counts[, displs])`` to receive into this rank's part of it."""
-        axis = _check_axis(axis, "axis", "Scatterv")
-        recv_axis = axis if recv_axis is None else _check_axis(recv_axis, "recv_axis", "Scatterv")
-        root = self._check_root(root)
-        is_root = self.rank == root
-        send = recv = back = None
-        if recvbuf is IN_PLACE:
-            if not is_root:
-                raise ValueError("Scatterv: MPI.IN_PLACE as recvbuf is only valid at the root")
-        else:
-            recv, back = _own_part(recvbuf, "recvbuf", self.rank, self.size, True, "Scatterv",
-                                   recv_axis)
-        if is_root:
-            send, _, counts, displs = _vbuffer(sendbuf, "sendbuf", self.size, False, "Scatterv",
-                                               axis)
-            if recv is not None:
-                _same_dtype(send, recv, "Scatterv")
-                _expect_numel(recv, counts[root], "recvbuf", "Scatterv", "sendbuf counts[root]")
-                _no_alias(send, recv, "Scatterv")
+        def check() -> tuple:
+            root_, is_root_, recv_, back_, send_, _, counts_, displs_ = self._rooted_v_buffers(
+                "Scatterv", root, recvbuf, "recvbuf", sendbuf, "sendbuf", axis, recv_axis)
+            return root_, is_root_, send_, recv_, back_, counts_, displs_
+
+        root, is_root, send, recv, back, counts, displs = self._agreed("Scatterv", check)
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:
