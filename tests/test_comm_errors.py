@@ -159,6 +159,10 @@ def _one_rank_wrong(comm):
         (0, lambda: comm.Gather(torch.ones(3), gathered[:-1] if rank == 0 else None, root=0),
          "recvbuf"),
         (0, lambda: comm.Scatter(src[1:] if rank == 0 else None, recv, root=0), "sendbuf"),
+        (0, lambda: comm.Reduce(torch.ones(3), torch.zeros(4) if rank == 0 else None, root=0),
+         "recvbuf"),
+        (0, lambda: comm.Ireduce(torch.ones(3), recv.double() if rank == 0 else None,
+                                 root=0).Wait(), "dtype"),
     ]
     if size > 1:
         cases += [
@@ -170,13 +174,15 @@ def _one_rank_wrong(comm):
              "IN_PLACE"),
             (last, lambda: comm.Gather(torch.ones(3), gathered, root=0 if rank != last else 1.5),
              "root"),
+            (last, lambda: comm.Reduce(hl.IN_PLACE if rank == last else torch.ones(3),
+                                       recv if rank == 0 else None, root=0), "IN_PLACE"),
         ]
     return cases, recv, gathered
 
 
 def test_one_ranks_wrong_rooted_arguments_raise_on_every_rank(comm):
-    """A rooted collective whose arguments only one rank gets wrong (the root's counts and
-    displacements, a non-root's IN_PLACE or root) raises on every rank, in the blocking and the
+    """A rooted collective whose arguments only one rank gets wrong (the root's buffers, counts
+    and displacements, a non-root's IN_PLACE or root) raises on every rank, in the blocking and the
     non-blocking forms: that rank its own reason, the others a ValueError or TypeError naming it;
     nothing was received and the next collective matches (before, the other ranks waited in
     the collective forever)."""

@@ -1037,19 +1037,26 @@ class MPICommunication:
             fin()
 
     def _reduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM, root: int = 0, *,
-                blocking: bool) -> Operation:
+                blocking: bool, _agree: bool = True) -> Operation:
         """``recvbuf`` at ``root`` = ``op`` over the ``sendbuf`` of every rank (``sendbuf`` may be
-        ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere)."""
-        _heat_layout(sendbuf, recvbuf)
-        root, is_root, send = self._rooted_send(sendbuf, root, "Reduce")
-        recv = back = None
-        if is_root:
-            recv, back = as_tensor(recvbuf, "recvbuf", write=True)
-            if send is not None:
-                _same_dtype(send, recv, "Reduce")
-                _expect_numel(recv, send.numel(), "recvbuf", "Reduce", "the size of sendbuf")
-                _no_alias(send, recv, "Reduce")
-        reduction_type((recv if send is None else send).dtype, op)
+        ``MPI.IN_PLACE`` at the root; ``recvbuf`` is ignored elsewhere). ``_agree=False`` (the
+        engine's phases, whose arguments are right by construction) skips sharing the verdict
+        of the checks."""
+        def check() -> tuple:
+            _heat_layout(sendbuf, recvbuf)
+            root_, is_root_, send_ = self._rooted_send(sendbuf, root, "Reduce")
+            recv_ = back_ = None
+            if is_root_:
+                recv_, back_ = as_tensor(recvbuf, "recvbuf", write=True)
+                if send_ is not None:
+                    _same_dtype(send_, recv_, "Reduce")
+                    _expect_numel(recv_, send_.numel(), "recvbuf", "Reduce",
+                                  "the size of sendbuf")
+                    _no_alias(send_, recv_, "Reduce")
+            reduction_type((recv_ if send_ is None else send_).dtype, op)
+            return root_, is_root_, send_, recv_, back_
+
+        root, is_root, send, recv, back = self._agreed("Reduce", check) if _agree else check()
         op = mpi_op((recv if send is None else send).dtype, op)
         if _one_rank_local(self, send, recv, back):
             return

@@ -292,7 +292,7 @@ class Hierarchical(AllReduce):
             return
         if node.size > 1:
             yield node.Ireduce(IN_PLACE if topo.is_leader else t, t if topo.is_leader else None,
-                               op, 0)
+                               op, 0, _agree=False)
         if topo.is_leader and topo.num_nodes > 1:
             yield cross.Iallreduce(IN_PLACE, t, op)
         if node.size > 1:
