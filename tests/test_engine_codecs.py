@@ -27,7 +27,7 @@ from heatlike.engine import (
     Warmup,
     exchange,
 )
-from heatlike.engine.codecs import pack_bits, unpack_bits
+from heatlike.engine.codecs import count_bits, pack_bits, unpack_bits
 
 pytestmark = pytest.mark.mpi
 
@@ -127,6 +127,7 @@ def test_sign_codecs(comm, scaled):
     else:
         expected = _sum_of(signs)
         assert reducer.bytes_sent == math.ceil(37 / 8) + 4
+        assert torch.equal(got, expected)  # the vote is an exact count
     assert torch.allclose(got, expected, atol=1e-5)
 
 
@@ -152,6 +153,8 @@ def test_sign_of_zero_is_no_vote(comm, scaled):
     scales = [x.abs().mean() if scaled else torch.tensor(1.0) for x in xs]
     expected = _sum_of([s * torch.sign(x) for s, x in zip(scales, xs)])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if not scaled:
+        assert torch.equal(got, expected)
     assert got[1].item() == 0.0
     assert reducer.bytes_sent == 2 * math.ceil(n / 8) + 4 + (4 if scaled else 0)
     if scaled:
@@ -160,11 +163,24 @@ def test_sign_of_zero_is_no_vote(comm, scaled):
                                    me - scales[comm.rank] * torch.sign(me))
 
 
-def test_bit_packing_roundtrip():
-    bits = torch.rand(1000, generator=torch.Generator().manual_seed(1)) > 0.5
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 1003])
+def test_bit_packing_roundtrip(n):
+    """Host tensors are packed by numpy: the same bytes as the formula device tensors use (most
+    significant bit first, the last byte padded with zeros), and back; count_bits counts the set
+    bits of several vectors per entry."""
+    g = torch.Generator().manual_seed(n)
+    bits = torch.rand(n, generator=g) > 0.5
     packed = pack_bits(bits)
-    assert packed.numel() == 125 and packed.dtype == torch.uint8
-    assert torch.equal(unpack_bits(packed, 1000), bits)
+    assert packed.numel() == math.ceil(n / 8) and packed.dtype == torch.uint8
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8)
+    padded[:n] = bits
+    weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+    assert torch.equal(packed, (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8))
+    assert torch.equal(unpack_bits(packed, n), bits)
+    more = [torch.rand(n, generator=g) > 0.3 for _ in range(3)]
+    counts = count_bits([pack_bits(b) for b in [bits, *more]], n, torch.device("cpu"))
+    assert counts.dtype == torch.int32
+    assert torch.equal(counts, sum(b.to(torch.int32) for b in [bits, *more]))
 
 
 @pytest.mark.parametrize("reuse", [False, True])
