@@ -317,14 +317,24 @@ class _RandomSubset(_Feedback):
         n = x.numel()
         chosen = self._select(n, _count(n, self.k, self.ratio),
                               ctx.generator(shared=self.shared), x.device)
-        values = torch.cat([total[chosen], _poison(total).to(total.dtype)])
+        # distinct indices: index_select / index_add_ / index_copy_ (torch's advanced indexing
+        # costs several times as much on the host)
+        block = isinstance(chosen, slice)
+        values = torch.cat([total[chosen] if block else total.index_select(0, chosen),
+                            _poison(total).to(total.dtype)])
         if self.error_feedback:  # the residual: total less what is sent
-            total[chosen] -= values[:-1]
+            if block:
+                total[chosen] -= values[:-1]
+            else:
+                total.index_add_(0, chosen, values[:-1], alpha=-1)
             ctx.state["residual"] = total
         if self.shared:
             yield Sum(values)
             x.zero_()
-            x[chosen] = values[:-1]
+            if block:
+                x[chosen] = values[:-1]
+            else:
+                x.index_copy_(0, chosen, values[:-1])
             if bool(values[-1] != 0):  # a rank's input was not finite
                 x.add_(values[-1])
             else:
