@@ -460,12 +460,14 @@ class Sign(_Feedback):
             nonzero = positive | (total < 0)  # NaN counts as neither; the marker carries it
             masks = [m for (m,) in (yield Gather([pack_bits(nonzero)]))]
         if self.scaled:  # sum_r s_r sign_r in rank order; each term (2 b s_r - s_r) m is
-            x.zero_()     # exactly +-s_r or 0
+            x.zero_()     # exactly +-s_r or 0 (bits copied into floats first: torch's mixed
+            signed = torch.empty_like(x)  # uint8-float products are several times slower)
+            mask = torch.empty_like(x) if masks is not None else None
             for r, (bits, tail) in enumerate(gathered):
                 s_r = tail[0].to(x.dtype)
-                signed = torch.mul(_bits(bits, n), 2 * s_r).sub_(s_r)
-                if masks is not None:
-                    signed.mul_(_bits(masks[r], n))
+                signed.copy_(_bits(bits, n)).mul_(2 * s_r).sub_(s_r)
+                if mask is not None:
+                    signed.mul_(mask.copy_(_bits(masks[r], n)))
                 x.add_(signed)
         else:  # the vote in integers: sum_r (2 b_r - 1) m_r = 2 sum_r b_r - sum_r m_r (b implies m)
             votes = count_bits([bits for bits, _ in gathered], n, x.device).mul_(2)
