@@ -163,6 +163,17 @@ def test_sign_of_zero_is_no_vote(comm, scaled):
                                    me - scales[comm.rank] * torch.sign(me))
 
 
+def test_scaled_signs_of_large_half_precision_values(comm):
+    """Each decoded term is exactly +-s_r (no intermediate 2 s_r, which overflows float16 above
+    32752): float16 inputs of magnitude 40000 decode to the sum of the scaled signs."""
+    xs = [torch.tensor([4e4, -4e4, 4e4, -4e4], dtype=torch.float16) * (1 if r % 2 else -1)
+          for r in range(comm.size)]
+    got = _run(ScaledSign(error_feedback=False), xs[comm.rank].clone(), comm)
+    expected = _sum_of([x.float().abs().mean() * torch.sign(x.float()) for x in xs])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 1003])
 def test_bit_packing_roundtrip(n):
     """Host tensors are packed by numpy: the same bytes as the formula device tensors use (most

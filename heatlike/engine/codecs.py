@@ -459,16 +459,15 @@ class Sign(_Feedback):
         if bool((markers == 1).any()):  # every rank sees the same markers: all send round two
             nonzero = positive | (total < 0)  # NaN counts as neither; the marker carries it
             masks = [m for (m,) in (yield Gather([pack_bits(nonzero)]))]
-        if self.scaled:  # sum_r s_r sign_r in rank order; each term (2 b s_r - s_r) m is
+        if self.scaled:  # sum_r s_r sign_r in rank order; each term (2 b - 1) m s_r is
             x.zero_()     # exactly +-s_r or 0 (bits copied into floats first: torch's mixed
             signed = torch.empty_like(x)  # uint8-float products are several times slower)
             mask = torch.empty_like(x) if masks is not None else None
             for r, (bits, tail) in enumerate(gathered):
-                s_r = tail[0].to(x.dtype)
-                signed.copy_(_bits(bits, n)).mul_(2 * s_r).sub_(s_r)
+                signed.copy_(_bits(bits, n)).mul_(2).sub_(1)
                 if mask is not None:
                     signed.mul_(mask.copy_(_bits(masks[r], n)))
-                x.add_(signed)
+                x.add_(signed.mul_(tail[0].to(x.dtype)))
         else:  # the vote in integers: sum_r (2 b_r - 1) m_r = 2 sum_r b_r - sum_r m_r (b implies m)
             votes = count_bits([bits for bits, _ in gathered], n, x.device).mul_(2)
             x.copy_(votes.sub_(len(gathered) if masks is None else
