@@ -27,7 +27,13 @@ from heatlike.engine import (
     Warmup,
     exchange,
 )
-from heatlike.engine.codecs import count_bits, pack_bits, unpack_bits
+from heatlike.engine.codecs import (
+    _bits_torch,
+    _pack_bits_torch,
+    count_bits,
+    pack_bits,
+    unpack_bits,
+)
 
 pytestmark = pytest.mark.mpi
 
@@ -188,6 +194,9 @@ def test_bit_packing_roundtrip(n):
     weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
     assert torch.equal(packed, (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8))
     assert torch.equal(unpack_bits(packed, n), bits)
+    # the torch operations device tensors take, run on the host: the same bytes and bits
+    assert torch.equal(_pack_bits_torch(bits), packed)
+    assert torch.equal(_bits_torch(packed, n), bits.to(torch.uint8))
     more = [torch.rand(n, generator=g) > 0.3 for _ in range(3)]
     counts = count_bits([pack_bits(b) for b in [bits, *more]], n, torch.device("cpu"))
     assert counts.dtype == torch.int32

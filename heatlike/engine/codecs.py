@@ -386,12 +386,17 @@ _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Bool tensor -> uint8 tensor of ceil(n / 8) bytes (most significant bit first)."""
     flat = bits.reshape(-1)
-    if flat.device.type == "cpu":  # numpy's packbits: about 40x torch's ops below
+    if flat.device.type == "cpu":  # numpy's packbits: about 40x torch's ops
         return torch.from_numpy(np.packbits(flat.numpy()))
+    return _pack_bits_torch(flat)
+
+
+def _pack_bits_torch(flat: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bits` in torch operations (device tensors)."""
     n = flat.numel()
-    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.uint8, device=flat.device)
     padded[:n] = flat
-    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(bits.device)).sum(1, dtype=torch.uint8)
+    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -404,6 +409,11 @@ def _bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     host: numpy's unpackbits; torch converts uint8 to floats about 10x faster than bool)."""
     if packed.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(packed.numpy(), count=n))
+    return _bits_torch(packed, n)
+
+
+def _bits_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_bits` in torch operations (device tensors)."""
     shifts = torch.arange(7, -1, -1, device=packed.device, dtype=torch.uint8)
     return ((packed.view(-1, 1) >> shifts) & 1).view(-1)[:n]
 
