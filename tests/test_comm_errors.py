@@ -201,3 +201,23 @@ def test_one_ranks_wrong_rooted_arguments_raise_on_every_rank(comm):
     src = torch.arange(3.0 * comm.size)
     comm.Scatterv((src, [3] * comm.size) if comm.rank == 0 else None, recv, root=0)
     assert recv.tolist() == [3.0 * comm.rank + j for j in range(3)]
+
+
+def test_any_error_in_a_rooted_collectives_checks_reaches_every_rank(comm, monkeypatch):
+    """An unexpected exception in one rank's checks (here the root check raising RuntimeError
+    on the last rank alone) is raised there and reported on every other rank as a RuntimeError
+    naming it; nothing is sent."""
+    last = comm.size - 1
+    if comm.rank == last:
+        def broken(root):
+            raise RuntimeError("broken root check")
+        monkeypatch.setattr(comm, "_check_root", broken)
+    recv = torch.full((3,), -1.0)
+    with pytest.raises(RuntimeError) as info:
+        comm.Scatterv((torch.arange(3.0 * comm.size), [3] * comm.size) if comm.rank == 0
+                      else None, recv, root=0)
+    monkeypatch.undo()
+    text = str(info.value)
+    assert ("broken root check" in text) if comm.rank == last else f"rank(s) [{last}]" in text
+    assert (recv == -1).all()
+    _still_in_step(comm)

@@ -824,22 +824,24 @@ class MPICommunication:
         raise on that rank alone and leave the others waiting in the collective. The ranks
         all-gather one byte each (a collective of its own, waited for at the call even in the
         non-blocking forms, so every rank issues its collectives in the program's order); a rank
-        whose checks failed raises its error, every other rank a ValueError (TypeError where
-        that was the failing rank's error) naming the ranks that failed."""
+        whose checks failed raises its error, every other rank a ValueError (TypeError, or
+        RuntimeError for any other exception, where that was the first failing rank's error)
+        naming the ranks that failed."""
         error = None
         try:
             result = check()
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         if self.size > 1:
-            mine = np.array([0 if error is None else 2 if isinstance(error, TypeError) else 1],
-                            dtype=np.int8)
+            code = 0 if error is None else 1 if isinstance(error, ValueError) else \
+                2 if isinstance(error, TypeError) else 3
+            mine = np.array([code], dtype=np.int8)
             verdicts = np.empty(self.size, dtype=np.int8)
             _checks.wait(self.handle.Iallgather([mine, MPI.INT8_T], [verdicts, MPI.INT8_T]),
                          lambda: f"{name}'s argument check on {self._name}")
             failed = np.flatnonzero(verdicts).tolist()
             if failed and error is None:
-                kind = TypeError if verdicts[failed[0]] == 2 else ValueError
+                kind = {1: ValueError, 2: TypeError}.get(int(verdicts[failed[0]]), RuntimeError)
                 raise kind(f"{name} on {self._name}: the arguments of rank(s) {failed} were "
                            "rejected there (the reason is raised on those ranks); nothing was "
                            "sent")
