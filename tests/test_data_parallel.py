@@ -100,10 +100,21 @@ def _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps: int) -> 
         _same_on_all_ranks(comm, local)
 
 
+@pytest.fixture(params=["copied", "in-place"])
+def sums(request, monkeypatch):
+    """The two paths of a plain average: gradients copied into buckets, or (the parameters of at
+    least 64 bytes here, every trainable one of ``Net`` but a bias of 4 values) summed where
+    they are, in ``.grad``, with their use flags summed apart (``extra``: used on some ranks in
+    some steps; ``never``: on none)."""
+    monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES",
+                        64 if request.param == "in-place" else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 @pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one-bucket", "many-buckets"])
-def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket_mb):
+def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket_mb, sums):
     r = comm.rank
     reference = Net(seed=0)
     local = Net(seed=100 + r)  # different on every rank: DataParallel broadcasts rank 0's
@@ -116,6 +127,7 @@ def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket
                          first_bucket_mb=bucket_mb)
     assert torch.equal(torch.get_rng_state(), rng_before), "construction touched the RNG"
     assert len(model.grad_sync.buckets) > (1 if bucket_mb < 1 else 0)
+    assert any(model.grad_sync._solo) == (sums == "in-place" and comm.size > 1)
     never_before = local.never.weight.detach().clone()
     frozen_before = local.frozen.weight.detach().clone()
     _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps=4)
@@ -124,7 +136,7 @@ def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
-def test_node_aware_sums_match_single_process(comm, monkeypatch, blocking):
+def test_node_aware_sums_match_single_process(comm, monkeypatch, blocking, sums):
     """With 2 ranks per node (4 ranks: two nodes) every bucket is summed node-aware, in chunks
     of 256 floats, and training still follows one process with the combined batch; elsewhere
     the same run takes MPI's all-reduce."""
@@ -322,6 +334,125 @@ class _OneUsed(nn.Module):
 
     def forward(self, x):
         return self.used(x)
+
+
+class _Wide(nn.Module):
+    """A 1 MiB weight (summed in place by default) between small layers; ``wide`` is used only
+    on ranks whose batch holds class 3, ``idle`` (also 1 MiB) never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 512)
+        self.wide = nn.Linear(512, 512)
+        self.idle = nn.Linear(512, 512, bias=False)
+        self.out = nn.Linear(512, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.inp(x))
+        if bool((y == 3).any()):
+            h = h + torch.tanh(self.wide(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_large_gradients_summed_in_place_equal_the_copied_path_bit_for_bit(comm, monkeypatch,
+                                                                           blocking):
+    """A parameter of at least ``INPLACE_MIN_BYTES`` gets a bucket of its own and its gradient
+    is divided and summed where backward left it (no copy: ``.grad`` is still the tensor
+    backward made), except on a rank without that gradient, which sums zeros from the bucket
+    and learns from the summed flags whether any rank used it. Every step gives bitwise the
+    gradients and parameters of the copying path, the same on every rank; a parameter no rank
+    used keeps ``.grad`` None."""
+    torch.manual_seed(0)
+    nets = [_Wide(), None]
+    nets[1] = copy.deepcopy(nets[0])
+    opts, models = [], []
+    for net, threshold in zip(nets, [gradsync.INPLACE_MIN_BYTES, 1 << 62]):
+        monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES", threshold)
+        opts.append(DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1,
+                                                          momentum=0.9), blocking=blocking))
+        models.append(DataParallel(net, comm, optimizer=opts[-1]))
+    in_place, copied = models
+    several = comm.size > 1
+    assert any(in_place.grad_sync._solo) == several and not any(copied.grad_sync._solo)
+    made = {}
+    nets[0].wide.weight.register_post_accumulate_grad_hook(
+        lambda p: made.__setitem__("wide", p.grad.data_ptr()))
+    for step in range(4):
+        x, y = _data(10 * comm.rank + step, B)
+        if step == 1:
+            y = torch.full_like(y, 3) if comm.rank == 0 else torch.zeros_like(y)  # rank 0 only
+        made.clear()
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            _loss(model(x, y), y).backward()
+            if not blocking:
+                opt.synchronize()
+        for (name, p), q in zip(nets[0].named_parameters(), nets[1].parameters()):
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {name}"
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+        assert nets[0].idle.weight.grad is None
+        if "wide" in made and several:  # this rank had the gradient: summed where it was made
+            assert nets[0].wide.weight.grad.data_ptr() == made["wide"]
+        for opt in opts:
+            opt.step()
+        for model in models:
+            model.flush()
+        assert torch.equal(_flat(nets[0]), _flat(nets[1])), f"step {step}"
+        _same_on_all_ranks(comm, nets[0])
+    for model in models:
+        model.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_in_place_gradient_changed_in_flight_is_reported(comm):
+    """Non-blocking: a gradient summed in place is the exchange's buffer until the deferred
+    update uses it; changing it (or replacing it) before step() raises on every rank that did,
+    as for a copied one, and synchronize() recovers."""
+    torch.manual_seed(0)
+    net = _Wide()
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
+    model = DataParallel(net, comm, optimizer=dp_opt)
+    for change in ("in place", "replaced"):
+        x, y = _data(comm.rank, B)
+        y[0] = 3  # every rank uses ``wide``
+        dp_opt.zero_grad()
+        _loss(model(x, y), y).backward()
+        if change == "in place":
+            torch.nn.utils.clip_grad_norm_([net.wide.weight], 1e-3)
+        else:
+            net.wide.weight.grad = net.wide.weight.grad.clone()
+        with pytest.raises(RuntimeError, match=r"wide\.weight'\] were changed between backward"):
+            dp_opt.step()
+        dp_opt.synchronize()
+        dp_opt.step()
+        model.flush()
+        _same_on_all_ranks(comm, net)
+    model.close()
+
+
+def test_a_non_finite_gradient_summed_in_place_raises_on_every_rank(comm):
+    """check_finite sees a gradient summed in ``.grad`` as it sees a bucket: every rank raises
+    FloatingPointError naming it, and the rank whose own gradient was NaN says so."""
+    torch.manual_seed(0)
+    net = _Wide()
+    last = comm.size - 1
+
+    def poison(p):  # runs before the engine's hook (registered first)
+        p.grad.view(-1)[7] = float("nan")
+
+    if comm.rank == last:
+        net.wide.weight.register_post_accumulate_grad_hook(poison)
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, check_finite=True)
+    x, y = _data(comm.rank, B)
+    y[0] = 3
+    here = "were non-finite in" if comm.rank == last else "were finite"
+    with pytest.raises(FloatingPointError,
+                       match=rf"non-finite averaged gradients of \['wide\.weight'\].*"
+                             rf"own gradients {here}"):
+        _loss(model(x, y), y).backward()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16],

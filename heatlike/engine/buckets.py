@@ -161,14 +161,17 @@ class Bucket:
 
 def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
                  first_cap_bytes: int | None = None, flags: bool = True,
-                 sizes: Sequence[int] | None = None) -> list[Bucket]:
+                 sizes: Sequence[int] | None = None,
+                 solo_bytes: int | None = None) -> list[Bucket]:
     """Group ``params`` into buckets in the given order.
 
     A bucket holds parameters of one dtype and device and at most ``cap_bytes`` of them (a single
     larger parameter gets a bucket of its own); the first bucket is capped at
-    ``first_cap_bytes``. Every rank calling this with the same parameter list gets the same plan.
-    ``sizes`` (a restored plan) gives the number of parameters of each bucket instead: bucket k
-    holds the next ``sizes[k]`` parameters.
+    ``first_cap_bytes``. ``solo_bytes``: a parameter of at least that many bytes gets a bucket of
+    its own too, and the parameters after it start a new one (gradients that large are summed in
+    place, without a copy: ``heatlike.engine.gradsync``). Every rank calling this with the same
+    parameter list gets the same plan. ``sizes`` (a restored plan) gives the number of parameters
+    of each bucket instead: bucket k holds the next ``sizes[k]`` parameters.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
@@ -187,6 +190,10 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     for p in params:
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
+        if solo_bytes is not None and nbytes >= solo_bytes:
+            groups.append([p])
+            open_groups.pop(key, None)
+            continue
         entry = open_groups.get(key)
         if entry is None or (entry[0] and entry[1] + nbytes > entry[2]):
             entry = [[], 0, first_cap if not groups else cap_bytes]

@@ -32,6 +32,21 @@ bucket, so the hook has nothing to copy either (DDP's ``gradient_as_bucket_view`
 ``.grad`` is some other tensor (``zero_grad(set_to_none=True)`` followed by a backward, or a
 gradient assigned by hand) the hook copies it, so results never depend on it.
 
+*Sums in place.* Where the exchange is a plain sum (the identity codec and an ``AllReduce``
+reducer that adds: DataParallel, DDP's spelling, the centralized presets) of buffers MPI reads
+directly (host memory, or device memory with a CUDA-aware library), a parameter of at least
+:data:`INPLACE_MIN_BYTES` gets a bucket of its own (*solo*), and its gradient, when it is a
+dense contiguous tensor of its own (what backward allocates), is divided and summed where it
+is, in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A rank without
+that gradient (unused here, or not contiguous) sums its bucket's buffer as before; MPI does not
+mind which memory each rank passes. The solo buckets' use flags cannot ride in a gradient, so
+they are summed by one small all-reduce per cycle, started after the last bucket at the end of
+the backward pass; only a rank that had no gradient for a solo parameter waits for it (a rank
+that had one knows that its sum is positive). The values are bitwise those of the copying path:
+the same division, then the same sum. On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients)
+the copy of the 5.2 MB bucket was most of DataParallel's cost beyond a bare all-reduce
+(docs/ports.md, "Speed against Heat").
+
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
 
 ``check_finite=True`` checks every averaged bucket and raises ``FloatingPointError`` on every rank
@@ -69,6 +84,9 @@ __all__ = ["GradientSync"]
 MiB = 1 << 20
 #: mean elements per parameter from which a bucket fuses the folded division with the copies
 _FUSE_MIN_NUMEL = 8192
+#: gradients of at least this many bytes get a bucket of their own, summed in place where the
+#: exchange is a plain sum over memory MPI reads directly (module docstring, "Sums in place")
+INPLACE_MIN_BYTES = 1 << 20
 #: whether a synchronization of one rank with a lossless codec and a plain sum skips the engine
 #: (:attr:`GradientSync.passthrough`); ``heatlike.bench`` clears it to time the engine's own
 #: work on a rank without the network
@@ -102,6 +120,27 @@ def _complete_all(requests: dict) -> None:
                 return  # the job is failing already (a peer ended or diverged): it was reported
 
 
+def _phase(start: Callable[[], Request]):
+    """Operation of one phase: the request ``start()`` returns, started inside a heatlike
+    operation (where ``heatlike.core.checks`` does not verify it again)."""
+    yield start()
+
+
+def _sums_plainly(reducer: Reducer) -> bool:
+    """Whether ``reducer`` is the flat all-reduce with an adding op (a sum or an average), whose
+    exchanges can sum a gradient in place."""
+    return type(reducer) is AllReduce and reducer.sums
+
+
+def _summable_in_place(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``grad`` can be summed where it is instead of in its bucket ``view``: a dense
+    contiguous tensor of the bucket's dtype and device that is no view of another tensor and
+    carries no autograd history (``create_graph``)."""
+    return grad.layout == torch.strided and grad.dtype == view.dtype and \
+        grad.device == view.device and grad.shape == view.shape and grad.is_contiguous() and \
+        grad._base is None and not grad.requires_grad
+
+
 class _Advancing:
     """A request to wait for whose ``Test`` first tests ``others``: the exchanges on other
     channels advance to their next collectives while this rank waits for one of them (an
@@ -131,7 +170,10 @@ class GradientSync:
     (private channels, opened at construction: at most one per bucket); 1 runs them one after
     another; default ``HEATLIKE_CONCURRENT_BUCKETS``, else 4. On the virtual cluster (2 nodes x
     2 ranks, 1 Gbit/s) a model of 13 buckets stepped about 10% faster non-blocking with 4 than
-    with 1 (docs/multinode.md).
+    with 1 (docs/multinode.md). ``inplace`` (default True): where the exchange is a plain sum
+    over memory MPI reads directly, parameters of at least :data:`INPLACE_MIN_BYTES` get
+    buckets of their own and their gradients are summed in ``.grad`` (module docstring, "Sums
+    in place"); False plans buckets by the caps alone (DistOpt: SINGA's fused buffers).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
@@ -141,7 +183,8 @@ class GradientSync:
                  on_backward_end: Callable[[], None] | None = None,
                  grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0,
                  check_finite: bool = False, names: Sequence[str] | None = None,
-                 fold_division: bool = False, concurrent_buckets: int | None = None) -> None:
+                 fold_division: bool = False, concurrent_buckets: int | None = None,
+                 inplace: bool = True) -> None:
         self.comm = sanitize_comm(comm)
         error = None
         try:
@@ -162,13 +205,20 @@ class GradientSync:
         self.seed = seed
         self.params = [p for p in params if p.requires_grad]
         self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+        staged_params = any(staged(p) for p in self.params)
+        # the plan gives large parameters buckets of their own where their gradients can be
+        # summed in place (the reducer may change later: _begin decides per cycle)
+        self._solo_bytes = INPLACE_MIN_BYTES if (
+            inplace and self.comm.size > 1 and not staged_params and
+            (codec is None or type(codec) is Identity) and
+            (reducer is None or _sums_plainly(reducer))) else None
         agree_on({"parameters": [(tuple(p.shape), str(p.dtype)) for p in self.params],
                   "bucket caps": self._caps, "codec": repr(codec), "reducer":
                   None if reducer is None else (type(reducer).__name__,
                                                 getattr(reducer, "op", None)),
                   "check_finite": check_finite, "seed": seed, "fold_division": fold_division,
-                  "concurrent_buckets": concurrent_buckets,
-                  "staged through host memory": any(staged(p) for p in self.params)},
+                  "concurrent_buckets": concurrent_buckets, "in place": self._solo_bytes,
+                  "staged through host memory": staged_params},
                  self.comm, "the gradient synchronization")
         self._plan(list(reversed(self.params)))
         self.codec = codec if codec is not None else Identity()
@@ -192,6 +242,7 @@ class GradientSync:
         self.names = list(names) if names is not None else \
             [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
+        self._flag_requests: dict[str, Request] = {}  # the solo buckets' flags ("flags")
         self._contexts: dict[int, Context] = {}  # each bucket's last exchange (its support)
         # what the user may change while a bucket is in flight, to detect it (changed_in_flight):
         # the version counter of each launched bucket's buffer after the engine last touched it,
@@ -216,9 +267,11 @@ class GradientSync:
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
         weakref.finalize(self, _complete_all, self._requests)
+        weakref.finalize(self, _complete_all, self._flag_requests)
 
     def _plan(self, order: list[torch.nn.Parameter], sizes: list[int] | None = None) -> None:
-        self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes)
+        self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes,
+                                                  solo_bytes=self._solo_bytes)
         self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
@@ -228,6 +281,14 @@ class GradientSync:
         # large parameters, and one pass over the bucket at its launch in buckets of small ones
         # (a torch call per tiny tensor costs more than the pass it saves); the same quotients
         self._fused = [b.size >= _FUSE_MIN_NUMEL * len(b.params) for b in self.buckets]
+        # solo buckets (one parameter) sum in place in cycles that allow it (_inplace_now);
+        # their use flags are summed together in _solo_flags, one entry per bucket
+        self._solo = [self._solo_bytes is not None and len(b.params) == 1 and
+                      b.size * b.buffer.element_size() >= self._solo_bytes for b in self.buckets]
+        self._solo_flags = torch.zeros(len(self.buckets), dtype=torch.float32)
+        self._solo_view = self._solo_flags.numpy()
+        self._inplace_now = False
+        self._payload: dict[int, torch.Tensor] = {}  # bucket -> the .grad it sums in place
 
     def _rebuild(self) -> None:
         """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
@@ -236,6 +297,8 @@ class GradientSync:
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
         order = self.comm.handle.bcast(order, root=0)
         self._plan([self.params[i] for i in order])
+        # the new plan may have another number of buckets; each has had one exchange per cycle
+        self._exchanges = [self._cycles - 1] * len(self.buckets)
         self._restage()
 
     def _restage(self) -> None:
@@ -264,10 +327,15 @@ class GradientSync:
             self.on_begin()
         self._cycles += 1
         self._board.post()
+        self._wait_flags()  # a cycle ended without its last bucket unpacked (an error)
         if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()
         self.active = True
         self._fold = self._fold_denominator()
+        self._inplace_now = self._solo_bytes is not None and any(self._solo) and \
+            type(self.codec) is Identity and _sums_plainly(self.reducer)
+        self._payload.clear()
+        self._solo_view[:] = 0
         self._callback_queued = False
         for marks in self._marked:
             marks[:] = [False] * len(marks)
@@ -316,20 +384,28 @@ class GradientSync:
     def _mark(self, b: int, i: int, grad: torch.Tensor | None) -> None:
         bucket = self.buckets[b]
         view = bucket.views[i]
+        solo = self._inplace_now and self._solo[b]
         if grad is None:
             view.zero_()
-            bucket.set_flag(i, 0)
         else:
             fuse = self._fold is not None and self._fused[b]
-            if not _is_view_of(grad, view):
+            if _is_view_of(grad, view):
+                if fuse:
+                    view.div_(self._fold)
+            elif solo and _summable_in_place(grad, view):
+                if fuse:
+                    grad.div_(self._fold)
+                self._payload[b] = grad
+            else:
                 if fuse:
                     torch.div(dense(grad), self._fold, out=view)
                 else:
                     view.copy_(dense(grad))
                 self._handed[(b, i)] = (grad, -1)
-            elif fuse:
-                view.div_(self._fold)
-            bucket.set_flag(i, 1)
+        if solo:
+            self._solo_view[b] = 0 if grad is None else 1
+        else:
+            bucket.set_flag(i, 0 if grad is None else 1)
         self._marked[b][i] = True
         self._ready[b] += 1
 
@@ -338,14 +414,37 @@ class GradientSync:
                 self._ready[self._next] == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
             self._requests[bucket.index] = self._exchange(bucket)
-            self._versions[bucket.index] = bucket.buffer._version
+            self._versions[bucket.index] = self._payload_of(bucket.index)._version
             self._next += 1
+
+    def _payload_of(self, b: int) -> torch.Tensor:
+        """The tensor bucket ``b``'s exchange writes this cycle: a gradient summed in place, else
+        the bucket's buffer."""
+        payload = self._payload.get(b)
+        return self.buckets[b].buffer if payload is None else payload
+
+    def _parts(self, b: int) -> list[torch.Tensor]:
+        """Bucket ``b``'s values per parameter, where this cycle's exchange sums them."""
+        payload = self._payload.get(b)
+        return self.buckets[b].views if payload is None else [payload]
+
+    def _flag(self, b: int, i: int) -> float:
+        """Parameter i of bucket b's use flag (this rank's, or the sum once exchanged)."""
+        if self._inplace_now and self._solo[b]:
+            return float(self._solo_view[b])
+        return float(self.buckets[b].flags[i])
+
+    def _wait_flags(self) -> None:
+        """Complete the sum of the solo buckets' flags, if one is in flight."""
+        request = self._flag_requests.pop("flags", None)
+        if request is not None and not request.done:
+            _checks.wait(request, lambda: "the sum of the gradient buckets' use flags",
+                         request._board, request._seq, watch=self._board.check)
 
     def _exchange(self, bucket: Bucket) -> Request:
         b = bucket.index
-        bucket.publish_flags()
         if self.check_finite:
-            self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, bucket.views)
+            self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, self._parts(b))
                                   if not all_finite(v)]
         ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
@@ -353,6 +452,12 @@ class GradientSync:
         self._exchanges[b] += 1
         self._contexts[b] = ctx
         scaled = self._fold is not None
+        if self._inplace_now and self._solo[b]:  # flags summed apart (_solo_flags)
+            values = self._payload.get(b, bucket.values)
+            if scaled and not self._fused[b]:
+                values.div_(self._fold)
+            return self.lane.start(values, ctx, scaled=scaled)
+        bucket.publish_flags()
         if scaled and not self._fused[b]:
             bucket.values.div_(self._fold)
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
@@ -400,12 +505,12 @@ class GradientSync:
         exchanges of the buckets launched before it too."""
         flying = [b for b in self._requests if b not in self._reduced]
         for b in flying:
-            buffer = self.buckets[b].buffer
+            buffer = self._payload_of(b)
             if buffer._version != self._versions.get(b, buffer._version):
                 self._tampered.add(b)
         operation()
         for b in flying:
-            self._versions[b] = self.buckets[b].buffer._version
+            self._versions[b] = self._payload_of(b)._version
 
     def changed_in_flight(self) -> list[str]:
         """Names of the parameters whose gradient was changed in place or replaced after it was
@@ -418,6 +523,13 @@ class GradientSync:
             if b in self._consumed or b not in self._requests:
                 continue
             bucket = self.buckets[b]
+            payload = self._payload.get(b)
+            if payload is not None:  # summed in .grad: any change to it or of it counts
+                p = bucket.params[0]
+                if p.grad is not payload or b in self._tampered or \
+                        payload._version != self._versions[b]:
+                    changed.add(self._index[id(p)])
+                continue
             if b not in self._reduced and (b in self._tampered or
                                            bucket.buffer._version != self._versions[b]):
                 changed.update(self._index[id(p)] for p in bucket.params if p.grad is not None)
@@ -427,7 +539,7 @@ class GradientSync:
                 if handed is not None:
                     if grad is not handed[0] or grad._version != handed[1]:
                         changed.add(self._index[id(p)])
-                elif grad is not None and not _is_view_of(grad, view) and bucket.flags[i] > 0:
+                elif grad is not None and not _is_view_of(grad, view) and self._flag(b, i) > 0:
                     changed.add(self._index[id(p)])
         return [self.names[i] for i in sorted(changed)]
 
@@ -455,6 +567,10 @@ class GradientSync:
                 if not self._marked[b][i]:
                     self._mark(b, i, p.grad)
         self._launch_ready()
+        if self._inplace_now and "flags" not in self._flag_requests:
+            # a phase of the engine's step, like the exchanges: not checked again at issue
+            self._flag_requests["flags"] = Request(_phase(
+                lambda: self.reducer.start_flags(self._solo_flags)))
         self.unsynced = False
         # the backward pass is over: from here on only the user changes these gradients (taken
         # now, as gradients that are views of one buffer share one version counter)
@@ -509,11 +625,23 @@ class GradientSync:
         those parameters."""
         self.wait(b)
         bucket = self.buckets[b]
-        if self.check_finite and not all_finite(bucket.values):
+        payload = self._payload.get(b)
+        if self.check_finite and not all_finite(self._payload_of(b) if payload is not None
+                                                else bucket.values):
             self._fail_nonfinite(bucket)
+        if payload is not None:  # summed in place: this rank had the gradient, its sum is used
+            p = bucket.params[0]
+            if p.grad is not payload:
+                p.grad = payload
+            return self._consume(b, [p])
+        if self._inplace_now and self._solo[b]:
+            self._wait_flags()
+            summed = [float(self._solo_view[b])]
+        else:
+            summed = bucket.summed_flags()
         used = []
         with torch.no_grad():
-            for p, view, flag in zip(bucket.params, bucket.views, bucket.summed_flags()):
+            for p, view, flag in zip(bucket.params, bucket.views, summed):
                 if flag <= 0:
                     continue
                 in_bucket = _is_view_of(p.grad, view)
@@ -524,10 +652,14 @@ class GradientSync:
                         p.grad = torch.empty_like(p)  # a sparse gradient's average is dense
                     p.grad.copy_(view)
                 used.append(p)
-        for i in range(len(bucket.params)):
+        return self._consume(b, used)
+
+    def _consume(self, b: int, used: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        for i in range(len(self.buckets[b].params)):
             self._handed.pop((b, i), None)
         self._consumed.add(b)
         if len(self._consumed) == len(self.buckets):
+            self._wait_flags()
             self.active = False
         return used
 
@@ -537,7 +669,8 @@ class GradientSync:
             if other in self._requests:
                 self.wait(other)
         self.active = False
-        bad = [self.names[self._index[id(p)]] for p, v in zip(bucket.params, bucket.views)
+        bad = [self.names[self._index[id(p)]] for p, v in zip(bucket.params,
+                                                              self._parts(bucket.index))
                if not all_finite(v)]
         mine = [self.names[i] for bs in self._local_bad.values() for i in bs]
         here = f"this rank's own gradients were non-finite in {mine[:5]}" if mine else \

@@ -248,8 +248,11 @@ class DistOpt(WrappedOptimizer):
             else:
                 codec, reducer = codecs.Identity(), AllReduce(self.comm)
             cap = threshold * 4 / (1 << 20)
+            # the buckets are SINGA's fused buffers (and partial mode's partitions): planned by
+            # the threshold alone, so large gradients are not given buckets of their own
             sync = GradientSync(self.params, self.comm, cap, cap, codec=codec, reducer=reducer,
-                                on_backward_end=lambda: self._syncs[key].synchronize())
+                                on_backward_end=lambda: self._syncs[key].synchronize(),
+                                inplace=False)
             sync.enabled = False
             self._syncs[key] = sync
             saved = self._saved_sync_states.pop(repr(key), None)
