@@ -9,12 +9,16 @@ communicator while the backward pass is still running (the idea of PyTorch DDP):
    arrived on rank 0 during the first (broadcast, so every rank builds the same plan), parameters
    that got no gradient last: a parameter unused in most steps then no longer holds back the
    buckets after it.
-2. A post-accumulate-grad hook on every parameter copies its gradient into its bucket and sets the
-   parameter's flag. When every parameter of bucket k has reported and buckets 0..k-1 have been
-   launched, bucket k is launched: the codec and the reducer run as one non-blocking exchange
-   (``heatlike.engine.exchange``). Launching strictly in bucket order keeps the sequence of
-   collectives identical on all ranks whatever order the hooks fire in. Exchanges of several
-   collectives (node-aware sums, staged chunks, multi-round codecs) run on private channels:
+2. A post-accumulate-grad hook on every parameter reports its gradient. The engine takes it
+   (copies it into its bucket and sets the parameter's flag) at its next event (the next
+   parameter's hook, or the end of the backward pass): by then every post-accumulate-grad hook
+   of that parameter has run, the user's own registered after the engine's included, so what is
+   averaged is what they leave in ``.grad``. When every parameter of bucket k has been taken and
+   buckets 0..k-1 have been launched, bucket k is launched: the codec and the reducer run as
+   one non-blocking exchange (``heatlike.engine.exchange``). Launching strictly in bucket
+   order keeps the sequence of collectives identical on all ranks whatever order the hooks
+   fire in. Exchanges of several collectives (node-aware sums, staged chunks, multi-round
+   codecs) run on private channels:
    bucket k on channel ``k % concurrent_buckets``, so up to that many are in flight at once;
    waiting for one bucket also advances the others.
 3. At the end of the backward pass (an autograd callback), every parameter that has not reported
@@ -37,13 +41,20 @@ reducer that adds: DataParallel, DDP's spelling, the centralized presets) of buf
 directly (host memory, or device memory with a CUDA-aware library), a parameter of at least
 :data:`INPLACE_MIN_BYTES` gets a bucket of its own (*solo*), and its gradient, when it is a
 dense contiguous tensor of its own (what backward allocates), is divided and summed where it
-is, in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A rank without
-that gradient (unused here, or not contiguous) sums its bucket's buffer as before; MPI does not
+is, in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A tensor the
+user still holds as that ``.grad`` then holds the average (as under DDP, which copies the average
+back into ``.grad``). A gradient that shares its storage with another tensor (autograd gives
+the parameters of a ``torch.cat`` one buffer), or that is already another parameter's
+gradient, is copied instead. A rank without that gradient (unused here, or not contiguous)
+sums its bucket's buffer as before; MPI does not
 mind which memory each rank passes. The solo buckets' use flags cannot ride in a gradient, so
 they are summed by one small all-reduce per cycle, started after the last bucket at the end of
 the backward pass; only a rank that had no gradient for a solo parameter waits for it (a rank
-that had one knows that its sum is positive). The values are bitwise those of the copying path:
-the same division, then the same sum. On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients)
+that had one knows that its sum is positive). The values are those of the copying path: the
+same division, then the same sum; bitwise with MPICH's all-reduce, whose grouping of the sums
+does not depend on the element count (an all-reduce that splits a message by its length, as a
+ring does, may round the two paths' sums differently by a last bit; every rank still gets the
+same bits). On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients)
 the copy of the 5.2 MB bucket was most of DataParallel's cost beyond a bare all-reduce
 (docs/ports.md, "Speed against Heat").
 
@@ -134,11 +145,23 @@ def _sums_plainly(reducer: Reducer) -> bool:
 
 def _summable_in_place(grad: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether ``grad`` can be summed where it is instead of in its bucket ``view``: a dense
-    contiguous tensor of the bucket's dtype and device that is no view of another tensor and
-    carries no autograd history (``create_graph``)."""
+    contiguous tensor of the bucket's dtype and device, alone in its storage (no view of another
+    tensor, no part of a buffer shared with others: their version counter is shared too, and
+    in-flight checks would see one gradient's division as a change of the other), the gradient
+    of this parameter only, with no autograd history (``create_graph``)."""
     return grad.layout == torch.strided and grad.dtype == view.dtype and \
         grad.device == view.device and grad.shape == view.shape and grad.is_contiguous() and \
-        grad._base is None and not grad.requires_grad
+        grad._base is None and not grad.requires_grad and grad.storage_offset() == 0 and \
+        grad.untyped_storage().nbytes() == grad.numel() * grad.element_size() and \
+        _held_once(grad)
+
+
+def _held_once(t: torch.Tensor) -> bool:
+    """Whether ``t`` is held by one owner besides its Python object: the ``.grad`` of a single
+    parameter, not also another's (a tensor assigned as two parameters' gradients). Python
+    references (a user's variable) do not count; without torch's use count, never."""
+    use_count = getattr(t, "_use_count", None)
+    return use_count is not None and use_count() <= 2
 
 
 class _Advancing:
@@ -243,6 +266,7 @@ class GradientSync:
             [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
         self._flag_requests: dict[str, Request] = {}  # the solo buckets' flags ("flags")
+        self._held: tuple[int, int] | None = None  # reported, to take at the next event
         self._contexts: dict[int, Context] = {}  # each bucket's last exchange (its support)
         # what the user may change while a bucket is in flight, to detect it (changed_in_flight):
         # the version counter of each launched bucket's buffer after the engine last touched it,
@@ -289,6 +313,7 @@ class GradientSync:
         self._solo_view = self._solo_flags.numpy()
         self._inplace_now = False
         self._payload: dict[int, torch.Tensor] = {}  # bucket -> the .grad it sums in place
+        self._flags_started = False  # the solo flags' sum of this cycle has been started
 
     def _rebuild(self) -> None:
         """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
@@ -336,6 +361,8 @@ class GradientSync:
             type(self.codec) is Identity and _sums_plainly(self.reducer)
         self._payload.clear()
         self._solo_view[:] = 0
+        self._flags_started = False
+        self._held = None
         self._callback_queued = False
         for marks in self._marked:
             marks[:] = [False] * len(marks)
@@ -359,13 +386,22 @@ class GradientSync:
         b, i = self._where[id(p)]
         if self._cycles == 1 and not self._marked[b][i]:
             self._arrival.append(self._index[id(p)])
-        if self._marked[b][i]:
+        if self._marked[b][i] or self._held == (b, i):
             raise RuntimeError(
                 "a parameter received a second gradient before the previous ones were used: run "
                 "optimizer.step() between backward passes, or accumulate inside model.no_sync()")
-        self._mark(b, i, p.grad)
+        self._take_held()
+        self._held = (b, i)
         self._launch_ready()
         self._progress()
+
+    def _take_held(self) -> None:
+        """Take the gradient reported last: every post-accumulate-grad hook of its parameter has
+        run since (the engine's is the first of them when it was registered first)."""
+        if self._held is not None:
+            b, i = self._held
+            self._held = None
+            self._mark(b, i, self.buckets[b].params[i].grad)
 
     def _fold_denominator(self) -> float | None:
         """The average's denominator when the division is folded into packing (``fold_division``,
@@ -560,6 +596,7 @@ class GradientSync:
         if self.passthrough:
             return
         self._begin()
+        self._take_held()
         for b, bucket in enumerate(self.buckets):
             if self._ready[b] == len(bucket.params):
                 continue
@@ -567,7 +604,8 @@ class GradientSync:
                 if not self._marked[b][i]:
                     self._mark(b, i, p.grad)
         self._launch_ready()
-        if self._inplace_now and "flags" not in self._flag_requests:
+        if self._inplace_now and not self._flags_started:
+            self._flags_started = True  # once per cycle on every rank, after every bucket
             # a phase of the engine's step, like the exchanges: not checked again at issue
             self._flag_requests["flags"] = Request(_phase(
                 lambda: self.reducer.start_flags(self._solo_flags)))
@@ -584,6 +622,7 @@ class GradientSync:
         if not self.enabled or self.passthrough:
             return
         self._begin()
+        self._take_held()
         for p in params:
             b, i = self._where[id(p)]
             if not self._marked[b][i]:
@@ -635,6 +674,9 @@ class GradientSync:
                 p.grad = payload
             return self._consume(b, [p])
         if self._inplace_now and self._solo[b]:
+            if not self._flags_started:  # launch_all (collective) starts it: never before
+                raise RuntimeError("internal error: a gradient bucket was written back before "
+                                   "the end of its backward pass")
             self._wait_flags()
             summed = [float(self._solo_view[b])]
         else:
