@@ -972,3 +972,26 @@ def test_summed_flags_are_read_only_where_this_rank_left_one_unset():
     host.set_flag(0, 1)  # float32 host bucket: the flag lives in the buffer itself
     host.flags.fill_(4.0)
     assert list(host.summed_flags()) == [4.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_averages_divide_by_a_power_of_two_as_a_multiplication_with_the_same_bits(dtype):
+    """``reducers.divide`` multiplies by ``1 / d`` where that reciprocal is exact in the dtype (d a
+    power of two: both round the same real number, and the multiplication is several times
+    faster on a CPU), and divides otherwise; either way bitwise ``x / d``, in place or into
+    ``out``, subnormals, signed zeros and extremes included."""
+    from heatlike.engine.reducers import _exact_reciprocal, divide
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, generator=g) * 1e3).to(dtype)
+    info = torch.finfo(dtype)
+    x[:8] = torch.tensor([info.tiny, -info.tiny / 4, info.max, -info.max, 0.0, -0.0, 3.0,
+                          info.eps], dtype=torch.float64).to(dtype)
+    for d in (1, 2, 3, 4, 6, 8, 1024, 2.0**20, 2.0**30):
+        expected = x / d
+        assert torch.equal(divide(x.clone(), d), expected), d
+        out = torch.empty_like(x)
+        assert divide(x, d, out=out) is out and torch.equal(out, expected), d
+        assert torch.equal(torch.signbit(out), torch.signbit(expected)), d
+    assert _exact_reciprocal(3.0, dtype) is None and _exact_reciprocal(8.0, dtype) == 0.125
+    assert _exact_reciprocal(2.0**30, torch.float16) is None  # 2**-30 is below float16's range

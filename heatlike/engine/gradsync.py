@@ -88,7 +88,7 @@ from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
 from .hooks import on_gradient, remove_when_dropped
 from .liveness import board_of
-from .reducers import AllReduce, Reducer
+from .reducers import AllReduce, Reducer, divide
 
 __all__ = ["GradientSync"]
 
@@ -427,14 +427,14 @@ class GradientSync:
             fuse = self._fold is not None and self._fused[b]
             if _is_view_of(grad, view):
                 if fuse:
-                    view.div_(self._fold)
+                    divide(view, self._fold)
             elif solo and _summable_in_place(grad, view):
                 if fuse:
-                    grad.div_(self._fold)
+                    divide(grad, self._fold)
                 self._payload[b] = grad
             else:
                 if fuse:
-                    torch.div(dense(grad), self._fold, out=view)
+                    divide(dense(grad), self._fold, out=view)
                 else:
                     view.copy_(dense(grad))
                 self._handed[(b, i)] = (grad, -1)
@@ -491,11 +491,11 @@ class GradientSync:
         if self._inplace_now and self._solo[b]:  # flags summed apart (_solo_flags)
             values = self._payload.get(b, bucket.values)
             if scaled and not self._fused[b]:
-                values.div_(self._fold)
+                divide(values, self._fold)
             return self.lane.start(values, ctx, scaled=scaled)
         bucket.publish_flags()
         if scaled and not self._fused[b]:
-            bucket.values.div_(self._fold)
+            divide(bucket.values, self._fold)
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
             return self.lane.start(bucket.buffer, ctx, scaled=scaled)
         return self.lane.start(bucket.values, ctx, bucket.flags, scaled=scaled)

@@ -19,6 +19,7 @@ from mpi4py import MPI
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from .buckets import pack, unpack
+from .reducers import divide
 
 __all__ = ["check_replicas", "broadcast_module", "verify_replicas"]
 
@@ -106,7 +107,7 @@ def average_tensors(tensors: list[torch.Tensor], comm: MPICommunication) -> None
     for group in _by_dtype([t for t in tensors if t.numel()]).values():
         flat = pack(group)
         comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
-        flat.div_(comm.size)
+        divide(flat, comm.size)
         unpack(flat, group)
 
 
