@@ -665,8 +665,7 @@ class GradientSync:
         self.wait(b)
         bucket = self.buckets[b]
         payload = self._payload.get(b)
-        if self.check_finite and not all_finite(self._payload_of(b) if payload is not None
-                                                else bucket.values):
+        if self.check_finite and not all_finite(bucket.values if payload is None else payload):
             self._fail_nonfinite(bucket)
         if payload is not None:  # summed in place: this rank had the gradient, its sum is used
             p = bucket.params[0]

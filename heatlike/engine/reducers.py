@@ -55,7 +55,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-
 def divide(x: torch.Tensor, denom: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x / denom`` into ``out`` (default: ``x``, in place). Where ``1 / denom`` is exact in
     ``x``'s dtype (``denom`` a power of two, e.g. 2, 4 or 8 ranks) as a multiplication by it:
@@ -75,6 +74,7 @@ def _exact_reciprocal(denom: float, dtype: torch.dtype) -> float | None:
         return None
     reciprocal = 1.0 / denom
     return reciprocal if float(torch.tensor(reciprocal, dtype=dtype)) == reciprocal else None
+
 
 class Reducer:
     """Base class: a sum over ``comm`` without division."""
