@@ -405,6 +405,45 @@ def test_large_gradients_summed_in_place_equal_the_copied_path_bit_for_bit(comm,
         model.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_bucket_summed_in_place_allocates_no_buffer_until_a_rank_lacks_the_gradient(comm):
+    """Gradient memory is the bare model's: the bucket of a gradient summed in place gets no
+    buffer while every rank has that gradient. A rank without it (a parameter unused there or
+    everywhere) allocates the bucket to sum zeros from; the averages are those of the local
+    gradients all-reduced by hand, on every rank."""
+    from mpi4py import MPI
+
+    torch.manual_seed(0)
+    net = _Wide()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt)
+    sync = model.grad_sync
+
+    def bucket(p):
+        return sync.buckets[sync._where[id(p)][0]]
+
+    for step in range(4):
+        x, y = _data(10 * comm.rank + step, B)
+        if step < 3:
+            y[0] = 3  # every rank uses `wide`
+        else:
+            y = torch.full_like(y, 3) if comm.rank == 0 else torch.zeros_like(y)  # rank 0 only
+        local = copy.deepcopy(net)
+        _loss(local(x, y), y).backward()
+        opt.zero_grad()
+        _loss(model(x, y), y).backward()
+        # the plan is rebuilt in the second step: look at the buckets of this one
+        assert bucket(net.wide.weight).materialized == (step == 3 and comm.rank != 0), step
+        assert bucket(net.idle.weight).materialized, step  # no rank has its gradient
+        assert net.idle.weight.grad is None
+        mine = local.wide.weight.grad
+        mine = torch.zeros_like(net.wide.weight) if mine is None else mine
+        expected = torch.from_numpy(comm.handle.allreduce(mine.numpy(), MPI.SUM)) / comm.size
+        torch.testing.assert_close(net.wide.weight.grad, expected, rtol=1e-6, atol=1e-7)
+        opt.step()
+    model.close()
+
+
 def _same_sum(comm, a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
     """Bitwise equal where the all-reduce's grouping cannot depend on the element count (MPICH,
     or 2 ranks: one addition); else equal to the last bit's rounding."""

@@ -21,7 +21,6 @@ collective is needed to tell unused parameters apart.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -96,57 +95,87 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
-@dataclass(eq=False)
 class Bucket:
     """Parameters communicated together through one flat buffer.
 
     ``buffer[offsets[i]:offsets[i] + numel_i]`` holds parameter i (``views[i]`` has its shape);
-    ``flags[i]`` (``buffer[size + i]``) its flag.
+    ``flags[i]`` (``buffer[size + i]``) its flag. The buffer (zeroed, of the first parameter's
+    dtype and device at planning) is allocated when it is first used: a bucket whose gradient
+    is summed where backward left it (``heatlike.engine.gradsync``) may never need one.
     """
 
-    index: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    size: int
-    buffer: torch.Tensor
-    views: list[torch.Tensor] = field(default_factory=list)
-    flags: torch.Tensor | None = None
+    def __init__(self, index: int, params: list[torch.nn.Parameter], offsets: list[int],
+                 size: int, flagged: bool = True) -> None:
+        self.index, self.params, self.offsets, self.size = index, params, offsets, size
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.numel = size + (len(params) if flagged else 0)
+        self._buffer: torch.Tensor | None = None
 
-    def __post_init__(self) -> None:
-        self.views = [self.buffer[o:o + p.numel()].view(p.shape)
-                      for o, p in zip(self.offsets, self.params)]
-        self.flags = self.buffer[self.size:]
+    @property
+    def materialized(self) -> bool:
+        """Whether the buffer has been allocated."""
+        return self._buffer is not None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._materialize()
+        return self._buffer
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        if self._buffer is None:
+            self._materialize()
+        return self._views
+
+    @property
+    def flags(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._materialize()
+        return self._flags
+
+    def _materialize(self) -> None:
+        buffer = comm_buffer(self.numel, self.dtype, self.device)
+        buffer.zero_()
+        self._views = [buffer[o:o + p.numel()].view(p.shape)
+                       for o, p in zip(self.offsets, self.params)]
+        self._flags = buffer[self.size:]
         # flags are set once per gradient: through a numpy view of the buffer where numpy has
         # the type (0.1 us, against 1.4 us for a torch indexing call on the CPU and a kernel
         # launch on a GPU), else in a host array copied into the buffer once, at the launch
         # (page-locked for a device bucket: the copy is queued, not waited for)
-        self._flags_in_place = self.flags.device.type == "cpu" and \
-            self.flags.dtype in (torch.float32, torch.float64, torch.float16)
+        self._flags_in_place = self._flags.device.type == "cpu" and \
+            self._flags.dtype in (torch.float32, torch.float64, torch.float16)
         self._flag_host = None
         if self._flags_in_place:
-            self._flag_view = self.flags.numpy()
+            self._flag_view = self._flags.numpy()
         else:
-            host = torch.zeros(self.flags.numel(), dtype=torch.float32)
-            self._flag_host = host.pin_memory() if self.flags.is_cuda else host
+            host = torch.zeros(self._flags.numel(), dtype=torch.float32)
+            self._flag_host = host.pin_memory() if self._flags.is_cuda else host
             self._flag_view = self._flag_host.numpy()
+        self._buffer = buffer
 
     def set_flag(self, i: int, value: int) -> None:
         """Set parameter i's flag (in the buffer after :meth:`publish_flags`)."""
+        if self._buffer is None:
+            self._materialize()
         self._flag_view[i] = value
 
     def publish_flags(self) -> None:
         """Make the flags set so far part of the buffer (before it is communicated)."""
+        if self._buffer is None:
+            self._materialize()
         if not self._flags_in_place:
             # queued on a device: the host array is next written in the next cycle, after
             # this exchange (which follows the copy on the stream) has completed
-            self.flags.copy_(self._flag_host, non_blocking=self.flags.is_cuda)
+            self._flags.copy_(self._flag_host, non_blocking=self._flags.is_cuda)
 
     def summed_flags(self) -> Sequence[float]:
         """The flags after the exchange, read on the host. Where this rank set every flag, each
         sum is positive whatever the others sent, so a device bucket is not read (a read would
         wait for the whole exchange and the copies queued before it)."""
         if self._flags_in_place or not self._flag_view.all():
-            return self.flags.tolist()
+            return self._flags.tolist()
         return self._flag_view
 
     @property
@@ -156,7 +185,8 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        """Bytes of the buffer (allocated or not)."""
+        return self.numel * self.dtype.itemsize
 
 
 def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
@@ -211,8 +241,5 @@ def _make_buckets(groups: list[list[torch.nn.Parameter]], flags: bool) -> list[B
         for p in group:
             offsets.append(size)
             size += p.numel()
-        first = group[0]
-        buffer = comm_buffer(size + (len(group) if flags else 0), first.dtype, first.device)
-        buffer.zero_()
-        buckets.append(Bucket(index, list(group), offsets, size, buffer))
+        buckets.append(Bucket(index, list(group), offsets, size, flags))
     return buckets

@@ -40,23 +40,23 @@ gradient assigned by hand) the hook copies it, so results never depend on it.
 reducer that adds: DataParallel, DDP's spelling, the centralized presets) of buffers MPI reads
 directly (host memory, or device memory with a CUDA-aware library), a parameter of at least
 :data:`INPLACE_MIN_BYTES` gets a bucket of its own (*solo*), and its gradient, when it is a
-dense contiguous tensor of its own (what backward allocates), is divided and summed where it
-is, in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A tensor the
-user still holds as that ``.grad`` then holds the average (as under DDP, which copies the average
-back into ``.grad``). A gradient that shares its storage with another tensor (autograd gives
-the parameters of a ``torch.cat`` one buffer), or that is already another parameter's
-gradient, is copied instead. A rank without that gradient (unused here, or not contiguous)
-sums its bucket's buffer as before; MPI does not
-mind which memory each rank passes. The solo buckets' use flags cannot ride in a gradient, so
-they are summed by one small all-reduce per cycle, started after the last bucket at the end of
-the backward pass; only a rank that had no gradient for a solo parameter waits for it (a rank
-that had one knows that its sum is positive). The values are those of the copying path: the
-same division, then the same sum; bitwise with MPICH's all-reduce, whose grouping of the sums
-does not depend on the element count (an all-reduce that splits a message by its length, as a
-ring does, may round the two paths' sums differently by a last bit; every rank still gets the
-same bits). On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients)
-the copy of the 5.2 MB bucket was most of DataParallel's cost beyond a bare all-reduce
-(docs/ports.md, "Speed against Heat").
+dense contiguous tensor of its own (what backward allocates), is divided and summed where it is,
+in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A tensor the user
+still holds as that ``.grad`` then holds the average (as under DDP, which copies the average
+back into ``.grad``). A gradient that shares its storage with another tensor (autograd gives the
+parameters of a ``torch.cat`` one buffer), or that is already another parameter's gradient, is
+copied instead. A rank without that gradient (unused here, or not contiguous) sums its bucket's
+buffer as before; MPI does not mind which memory each rank passes. Buckets allocate their
+buffers at first use, so a solo bucket whose gradient every rank has holds no memory: gradient
+memory is the bare model's. The solo buckets' use flags cannot ride in a gradient, so they are
+summed by one small all-reduce per cycle, started after the last bucket at the end of the
+backward pass; only a rank that had no gradient for a solo parameter waits for it (a rank that
+had one knows that its sum is positive). The values are those of the copying path: the same
+division, then the same sum; bitwise with MPICH's all-reduce, whose grouping of the sums does
+not depend on the element count (an all-reduce that splits a message by its length, as a ring
+does, may round the two paths' sums differently by a last bit; every rank still gets the same
+bits). On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients) the copy of the 5.2 MB bucket
+was most of DataParallel's cost beyond a bare all-reduce (docs/ports.md, "Speed against Heat").
 
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
 
@@ -143,14 +143,16 @@ def _sums_plainly(reducer: Reducer) -> bool:
     return type(reducer) is AllReduce and reducer.sums
 
 
-def _summable_in_place(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    """Whether ``grad`` can be summed where it is instead of in its bucket ``view``: a dense
-    contiguous tensor of the bucket's dtype and device, alone in its storage (no view of another
+def _summable_in_place(grad: torch.Tensor, bucket: Bucket, i: int) -> bool:
+    """Whether ``grad`` can be summed where it is instead of in its place in the bucket
+    (parameter ``i``): a dense contiguous tensor of the parameter's shape and the bucket's dtype
+    and device, alone in its storage (no view of another
     tensor, no part of a buffer shared with others: their version counter is shared too, and
     in-flight checks would see one gradient's division as a change of the other), the gradient
     of this parameter only, with no autograd history (``create_graph``)."""
-    return grad.layout == torch.strided and grad.dtype == view.dtype and \
-        grad.device == view.device and grad.shape == view.shape and grad.is_contiguous() and \
+    return grad.layout == torch.strided and grad.dtype == bucket.dtype and \
+        grad.device == bucket.device and grad.shape == bucket.params[i].shape and \
+        grad.is_contiguous() and \
         grad._base is None and not grad.requires_grad and grad.storage_offset() == 0 and \
         grad.untyped_storage().nbytes() == grad.numel() * grad.element_size() and \
         _held_once(grad)
@@ -308,7 +310,7 @@ class GradientSync:
         # solo buckets (one parameter) sum in place in cycles that allow it (_inplace_now);
         # their use flags are summed together in _solo_flags, one entry per bucket
         self._solo = [self._solo_bytes is not None and len(b.params) == 1 and
-                      b.size * b.buffer.element_size() >= self._solo_bytes for b in self.buckets]
+                      b.size * b.dtype.itemsize >= self._solo_bytes for b in self.buckets]
         self._solo_flags = torch.zeros(len(self.buckets), dtype=torch.float32)
         self._solo_view = self._solo_flags.numpy()
         self._inplace_now = False
@@ -419,20 +421,21 @@ class GradientSync:
 
     def _mark(self, b: int, i: int, grad: torch.Tensor | None) -> None:
         bucket = self.buckets[b]
-        view = bucket.views[i]
         solo = self._inplace_now and self._solo[b]
         if grad is None:
-            view.zero_()
+            bucket.views[i].zero_()
         else:
             fuse = self._fold is not None and self._fused[b]
-            if _is_view_of(grad, view):
+            # a bucket summed in place is never allocated unless a rank needs it
+            if bucket.materialized and _is_view_of(grad, bucket.views[i]):
                 if fuse:
-                    divide(view, self._fold)
-            elif solo and _summable_in_place(grad, view):
+                    divide(bucket.views[i], self._fold)
+            elif solo and _summable_in_place(grad, bucket, i):
                 if fuse:
                     divide(grad, self._fold)
                 self._payload[b] = grad
             else:
+                view = bucket.views[i]
                 if fuse:
                     divide(dense(grad), self._fold, out=view)
                 else:
@@ -489,7 +492,9 @@ class GradientSync:
         self._contexts[b] = ctx
         scaled = self._fold is not None
         if self._inplace_now and self._solo[b]:  # flags summed apart (_solo_flags)
-            values = self._payload.get(b, bucket.values)
+            values = self._payload.get(b)
+            if values is None:  # no gradient here, or one that could not be summed in place
+                values = bucket.values
             if scaled and not self._fused[b]:
                 divide(values, self._fold)
             return self.lane.start(values, ctx, scaled=scaled)
@@ -506,8 +511,7 @@ class GradientSync:
         exchanges run one at a time on a private channel. The same on every rank: staging was
         agreed at construction, bucket sizes are equal."""
         return self.comm.size > 1 and any(
-            staged(b.buffer) and (b.buffer.numel() * b.buffer.element_size() > chunk_bytes()
-                                  or _nodereduce.possible(b.buffer))
+            staged(b.params[0]) and (b.nbytes > chunk_bytes() or _nodereduce.possible(b.buffer))
             for b in self.buckets)
 
     def set_reducer(self, reducer: Reducer) -> None:
