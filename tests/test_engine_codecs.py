@@ -974,6 +974,44 @@ def test_summed_flags_are_read_only_where_this_rank_left_one_unset():
     assert list(host.summed_flags()) == [4.0]
 
 
+def test_small_parameters_between_solo_ones_share_buckets_ordered_by_their_last_parameter():
+    """Large parameters (``solo_bytes`` and more) get buckets of their own; the small ones around
+    them keep filling theirs up to the cap (one bucket for a residual MLP's biases, not one per
+    bias), by dtype; buckets come in the order they fill (by their last parameter), so a bucket
+    is complete whenever every bucket before it is, and a restored plan (``sizes``, bucket-major
+    order) is the same plan."""
+    from heatlike.engine.buckets import plan_buckets
+
+    def param(n, dtype=torch.float32):
+        return torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+
+    weights = [param(1024) for _ in range(4)]  # 4 KiB each: solo from 4 KiB on
+    biases = [param(8) for _ in range(4)]
+    half = param(8, torch.float16)
+    order = [biases[0], weights[0], biases[1], half, weights[1], biases[2], weights[2],
+             biases[3], weights[3]]
+    buckets = plan_buckets(order, cap_bytes=1024, solo_bytes=4096)
+    ids = [[id(p) for p in b.params] for b in buckets]
+    assert ids == [[id(weights[0])], [id(half)], [id(weights[1])], [id(weights[2])],
+                   [id(p) for p in biases], [id(weights[3])]]
+    assert [b.index for b in buckets] == list(range(6))
+    position = {id(p): k for k, p in enumerate(order)}
+    ends = [max(position[i] for i in bucket) for bucket in ids]
+    assert ends == sorted(ends)
+    # the cap still closes a bucket (two biases of 32 bytes fill a cap of 95), which then comes
+    # before the solo buckets that fill after it
+    capped = plan_buckets(order, cap_bytes=95, solo_bytes=4096)
+    assert [[id(p) for p in b.params] for b in capped] == [
+        [id(weights[0])], [id(biases[0]), id(biases[1])], [id(half)], [id(weights[1])],
+        [id(weights[2])], [id(biases[2]), id(biases[3])], [id(weights[3])]]
+    restored = plan_buckets([p for b in buckets for p in b.params], cap_bytes=1024,
+                            sizes=[len(b.params) for b in buckets])
+    assert [[id(p) for p in b.params] for b in restored] == ids
+    # without solo_bytes, one dtype: consecutive groups, as before
+    plain = plan_buckets(order[:3], cap_bytes=1 << 20)
+    assert [[id(p) for p in b.params] for b in plain] == [[id(p) for p in order[:3]]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_averages_divide_by_a_power_of_two_as_a_multiplication_with_the_same_bits(dtype):
     """``reducers.divide`` multiplies by ``1 / d`` where that reciprocal is exact in the dtype (d a

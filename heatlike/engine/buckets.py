@@ -198,10 +198,13 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     A bucket holds parameters of one dtype and device and at most ``cap_bytes`` of them (a single
     larger parameter gets a bucket of its own); the first bucket is capped at
     ``first_cap_bytes``. ``solo_bytes``: a parameter of at least that many bytes gets a bucket of
-    its own too, and the parameters after it start a new one (gradients that large are summed in
-    place, without a copy: ``heatlike.engine.gradsync``). Every rank calling this with the same
-    parameter list gets the same plan. ``sizes`` (a restored plan) gives the number of parameters
-    of each bucket instead: bucket k holds the next ``sizes[k]`` parameters.
+    its own too (gradients that large are summed in place, without a copy:
+    ``heatlike.engine.gradsync``), and the smaller parameters around it keep filling their bucket,
+    so that a model of large weights and small biases gets one bucket per weight and few for the
+    biases, not one per bias. Buckets are ordered by their last parameter: the order in which they
+    fill when gradients arrive in the given order. Every rank calling this with the same parameter
+    list gets the same plan. ``sizes`` (a restored plan) gives the number of parameters of each
+    bucket instead: bucket k holds the next ``sizes[k]`` parameters.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
@@ -216,22 +219,26 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
         return _make_buckets(groups, flags)
     first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     groups: list[list[torch.nn.Parameter]] = []
-    open_groups: dict[tuple, list] = {}  # (dtype, device) -> [params, bytes used, cap]
-    for p in params:
+    last: list[int] = []  # position of each group's last parameter
+    open_groups: dict[tuple, list] = {}  # (dtype, device) -> [group index, bytes used, cap]
+    for position, p in enumerate(params):
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
         if solo_bytes is not None and nbytes >= solo_bytes:
             groups.append([p])
-            open_groups.pop(key, None)
+            last.append(position)
             continue
         entry = open_groups.get(key)
-        if entry is None or (entry[0] and entry[1] + nbytes > entry[2]):
-            entry = [[], 0, first_cap if not groups else cap_bytes]
-            groups.append(entry[0])
+        if entry is None or entry[1] + nbytes > entry[2]:
+            entry = [len(groups), 0, first_cap if not groups else cap_bytes]
+            groups.append([])
+            last.append(position)
             open_groups[key] = entry
-        entry[0].append(p)
+        groups[entry[0]].append(p)
+        last[entry[0]] = position
         entry[1] += nbytes
-    return _make_buckets(groups, flags)
+    order = sorted(range(len(groups)), key=last.__getitem__)
+    return _make_buckets([groups[k] for k in order], flags)
 
 
 def _make_buckets(groups: list[list[torch.nn.Parameter]], flags: bool) -> list[Bucket]:
