@@ -968,6 +968,8 @@ def test_summed_flags_are_read_only_where_this_rank_left_one_unset():
     bucket.publish_flags()
     bucket.flags.copy_(torch.tensor([2.0, 0.0, 1.0]))
     assert [float(f) for f in bucket.summed_flags()] == [2.0, 0.0, 1.0]
+    (fresh,) = plan_buckets(params, cap_bytes=2 ** 20)  # no buffer yet: allocated, zeroed
+    assert not fresh.materialized and list(fresh.summed_flags()) == [0.0, 0.0, 0.0]
     (host,) = plan_buckets([torch.nn.Parameter(torch.zeros(2))], cap_bytes=2 ** 20)
     host.set_flag(0, 1)  # float32 host bucket: the flag lives in the buffer itself
     host.flags.fill_(4.0)
@@ -976,40 +978,46 @@ def test_summed_flags_are_read_only_where_this_rank_left_one_unset():
 
 def test_small_parameters_between_solo_ones_share_buckets_ordered_by_their_last_parameter():
     """Large parameters (``solo_bytes`` and more) get buckets of their own; the small ones around
-    them keep filling theirs up to the cap (one bucket for a residual MLP's biases, not one per
-    bias), by dtype; buckets come in the order they fill (by their last parameter), so a bucket
-    is complete whenever every bucket before it is, and a restored plan (``sizes``, bucket-major
-    order) is the same plan."""
+    them keep filling theirs (one bucket for a residual MLP's biases, not one per bias), by
+    dtype, until the byte cap or until the solo parameters placed since the bucket opened reach
+    the cap; buckets come in the order they fill (by their last parameter), so a bucket is
+    complete whenever every bucket before it is, and a restored plan (``sizes``, bucket-major
+    order) is the same plan. Without ``solo_bytes`` the plan is as it always was."""
     from heatlike.engine.buckets import plan_buckets
 
     def param(n, dtype=torch.float32):
         return torch.nn.Parameter(torch.zeros(n, dtype=dtype))
 
-    weights = [param(1024) for _ in range(4)]  # 4 KiB each: solo from 4 KiB on
-    biases = [param(8) for _ in range(4)]
+    w = [param(1024) for _ in range(4)]  # 4 KiB each: solo from 4 KiB on
+    b = [param(8) for _ in range(4)]  # 32 bytes each
     half = param(8, torch.float16)
-    order = [biases[0], weights[0], biases[1], half, weights[1], biases[2], weights[2],
-             biases[3], weights[3]]
-    buckets = plan_buckets(order, cap_bytes=1024, solo_bytes=4096)
-    ids = [[id(p) for p in b.params] for b in buckets]
-    assert ids == [[id(weights[0])], [id(half)], [id(weights[1])], [id(weights[2])],
-                   [id(p) for p in biases], [id(weights[3])]]
-    assert [b.index for b in buckets] == list(range(6))
+    order = [b[0], w[0], b[1], half, w[1], b[2], w[2], b[3], w[3]]
+
+    def plan(**kwargs):
+        return [[id(p) for p in bucket.params] for bucket in plan_buckets(order, **kwargs)]
+
+    def ids(*groups):
+        return [[id(p) for p in group] for group in groups]
+
+    wide = plan(cap_bytes=16384, solo_bytes=4096)
+    assert wide == ids([w[0]], [half], [w[1]], [w[2]], b, [w[3]])
+    buckets = plan_buckets(order, cap_bytes=16384, solo_bytes=4096)
+    assert [bucket.index for bucket in buckets] == list(range(6))
     position = {id(p): k for k, p in enumerate(order)}
-    ends = [max(position[i] for i in bucket) for bucket in ids]
+    ends = [max(position[i] for i in bucket) for bucket in wide]
     assert ends == sorted(ends)
-    # the cap still closes a bucket (two biases of 32 bytes fill a cap of 95), which then comes
-    # before the solo buckets that fill after it
-    capped = plan_buckets(order, cap_bytes=95, solo_bytes=4096)
-    assert [[id(p) for p in b.params] for b in capped] == [
-        [id(weights[0])], [id(biases[0]), id(biases[1])], [id(half)], [id(weights[1])],
-        [id(weights[2])], [id(biases[2]), id(biases[3])], [id(weights[3])]]
-    restored = plan_buckets([p for b in buckets for p in b.params], cap_bytes=1024,
-                            sizes=[len(b.params) for b in buckets])
-    assert [[id(p) for p in b.params] for b in restored] == ids
-    # without solo_bytes, one dtype: consecutive groups, as before
-    plain = plan_buckets(order[:3], cap_bytes=1 << 20)
-    assert [[id(p) for p in b.params] for b in plain] == [[id(p) for p in order[:3]]]
+    # 8 KiB of solo parameters close a bucket of an 8 KiB cap; the byte cap closes one too
+    assert plan(cap_bytes=8192, solo_bytes=4096) == ids(
+        [w[0]], [b[0], b[1]], [half], [w[1]], [w[2]], [b[2], b[3]], [w[3]])
+    # the first bucket (64 bytes) closes at the first solo parameter, before it in the plan
+    assert plan(cap_bytes=16384, first_cap_bytes=64, solo_bytes=4096) == ids(
+        [b[0]], [w[0]], [half], [w[1]], [w[2]], [b[1], b[2], b[3]], [w[3]])
+    restored = plan_buckets([p for bucket in buckets for p in bucket.params], cap_bytes=16384,
+                            sizes=[len(bucket.params) for bucket in buckets])
+    assert [[id(p) for p in bucket.params] for bucket in restored] == wide
+    # without solo_bytes: groups in the order they open, by dtype
+    assert plan(cap_bytes=1 << 20) == ids([b[0], w[0], b[1], w[1], b[2], w[2], b[3], w[3]],
+                                          [half])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])

@@ -105,9 +105,10 @@ class Bucket:
     """
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], offsets: list[int],
-                 size: int, flagged: bool = True) -> None:
+                 size: int, *, flagged: bool = True) -> None:
         self.index, self.params, self.offsets, self.size = index, params, offsets, size
         self.dtype, self.device = params[0].dtype, params[0].device
+        self.itemsize = params[0].element_size()
         self.numel = size + (len(params) if flagged else 0)
         self._buffer: torch.Tensor | None = None
 
@@ -174,6 +175,8 @@ class Bucket:
         """The flags after the exchange, read on the host. Where this rank set every flag, each
         sum is positive whatever the others sent, so a device bucket is not read (a read would
         wait for the whole exchange and the copies queued before it)."""
+        if self._buffer is None:
+            self._materialize()
         if self._flags_in_place or not self._flag_view.all():
             return self._flags.tolist()
         return self._flag_view
@@ -186,7 +189,7 @@ class Bucket:
     @property
     def nbytes(self) -> int:
         """Bytes of the buffer (allocated or not)."""
-        return self.numel * self.dtype.itemsize
+        return self.numel * self.itemsize
 
 
 def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
@@ -201,7 +204,9 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     its own too (gradients that large are summed in place, without a copy:
     ``heatlike.engine.gradsync``), and the smaller parameters around it keep filling their bucket,
     so that a model of large weights and small biases gets one bucket per weight and few for the
-    biases, not one per bias. Buckets are ordered by their last parameter: the order in which they
+    biases, not one per bias; a bucket of small parameters is closed once the solo parameters
+    placed since it opened reach its cap, so that its first gradients wait for at most about a
+    cap of others. Such plans are ordered by the buckets' last parameters: the order in which they
     fill when gradients arrive in the given order. Every rank calling this with the same parameter
     list gets the same plan. ``sizes`` (a restored plan) gives the number of parameters of each
     bucket instead: bucket k holds the next ``sizes[k]`` parameters.
@@ -220,23 +225,30 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     groups: list[list[torch.nn.Parameter]] = []
     last: list[int] = []  # position of each group's last parameter
-    open_groups: dict[tuple, list] = {}  # (dtype, device) -> [group index, bytes used, cap]
+    # (dtype, device) -> [group index, bytes used, cap, solo bytes placed since it opened]
+    open_groups: dict[tuple, list] = {}
     for position, p in enumerate(params):
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
         if solo_bytes is not None and nbytes >= solo_bytes:
             groups.append([p])
             last.append(position)
+            for k, entry in list(open_groups.items()):
+                entry[3] += nbytes
+                if entry[3] >= entry[2]:
+                    del open_groups[k]
             continue
         entry = open_groups.get(key)
         if entry is None or entry[1] + nbytes > entry[2]:
-            entry = [len(groups), 0, first_cap if not groups else cap_bytes]
+            entry = [len(groups), 0, first_cap if not groups else cap_bytes, 0]
             groups.append([])
             last.append(position)
             open_groups[key] = entry
         groups[entry[0]].append(p)
         last[entry[0]] = position
         entry[1] += nbytes
+    if solo_bytes is None:  # groups in the order they opened, as before solo buckets existed
+        return _make_buckets(groups, flags)
     order = sorted(range(len(groups)), key=last.__getitem__)
     return _make_buckets([groups[k] for k in order], flags)
 
@@ -248,5 +260,5 @@ def _make_buckets(groups: list[list[torch.nn.Parameter]], flags: bool) -> list[B
         for p in group:
             offsets.append(size)
             size += p.numel()
-        buckets.append(Bucket(index, list(group), offsets, size, flags))
+        buckets.append(Bucket(index, list(group), offsets, size, flagged=flags))
     return buckets

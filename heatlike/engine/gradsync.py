@@ -310,7 +310,7 @@ class GradientSync:
         # solo buckets (one parameter) sum in place in cycles that allow it (_inplace_now);
         # their use flags are summed together in _solo_flags, one entry per bucket
         self._solo = [self._solo_bytes is not None and len(b.params) == 1 and
-                      b.size * b.dtype.itemsize >= self._solo_bytes for b in self.buckets]
+                      b.size * b.itemsize >= self._solo_bytes for b in self.buckets]
         self._solo_flags = torch.zeros(len(self.buckets), dtype=torch.float32)
         self._solo_view = self._solo_flags.numpy()
         self._inplace_now = False
