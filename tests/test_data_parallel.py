@@ -135,6 +135,63 @@ def test_matches_single_process_with_combined_batch(comm, kind, blocking, bucket
     assert torch.equal(local.frozen.weight, frozen_before), "a frozen parameter was updated"
 
 
+class _Layers(nn.Module):
+    """A conv layer, BatchNorm, a transformer encoder block (attention, LayerNorm) and a head:
+    weights of 288 bytes and more between biases and norms of 32 to 192 bytes."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.block = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0,
+                                                batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = nn.functional.max_pool2d(torch.relu(self.norm(self.conv(x))), 2)  # (B, 8, 4, 4)
+        return self.head(self.block(h.flatten(2)).mean(dim=1))  # 8 tokens of 16 features
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0005], ids=["one-bucket", "many-buckets"])
+@pytest.mark.parametrize("path", ["copied", "in-place"])
+def test_conv_batchnorm_and_transformer_layers_average_each_rank_s_gradient(
+        comm, monkeypatch, blocking, bucket_mb, path):
+    """Every layer kind through both paths of a plain average (in place: the parameters of 256
+    bytes and more, so that solo and small parameters interleave, the small ones sharing
+    buckets): the parameters follow one process that averages the ranks' gradients, each
+    computed on that rank's share of the batch (BatchNorm normalizes by each share's statistics,
+    as under DDP), on every rank."""
+    monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES", 256 if path == "in-place" else 1 << 62)
+    P, r = comm.size, comm.rank
+    reference, local = _Layers(seed=0), _Layers(seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    dp_opt = DataParallelOptimizer(torch.optim.SGD(local.parameters(), lr=0.05, momentum=0.9),
+                                   blocking=blocking)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=bucket_mb,
+                         first_bucket_mb=bucket_mb)
+    sync = model.grad_sync
+    if path == "in-place" and P > 1:
+        assert any(sync._solo) and any(len(b.params) > 1 for b in sync.buckets)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(P * B, 1, 8, 8, generator=g), torch.randint(0, 3, (P * B,), generator=g)
+        ref_opt.zero_grad()
+        for q in range(P):
+            share = slice(q * B, (q + 1) * B)
+            (_loss(reference(x[share]), y[share]) / P).backward()
+        ref_opt.step()
+        dp_opt.zero_grad()
+        mine = slice(r * B, (r + 1) * B)
+        _loss(model(x[mine]), y[mine]).backward()
+        dp_opt.step()
+        model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL, msg=f"step {step}")
+        _same_on_all_ranks(comm, local)
+    model.close()
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
 def test_node_aware_sums_match_single_process(comm, monkeypatch, blocking, sums):
     """With 2 ranks per node (4 ranks: two nodes) every bucket is summed node-aware, in chunks
