@@ -768,6 +768,57 @@ def test_buffers_are_synchronized(comm, mode):
     assert torch.allclose(bn.running_var, torch.full((4,), expected_var))
 
 
+def test_buffers_registered_replaced_or_converted_after_wrapping_are_the_ones_synchronized(comm):
+    """DataParallel finds the buffers without walking the module at every forward: a buffer
+    registered after wrapping, one replaced by assignment, a submodule added, and buffers
+    converted by ``module.double()`` are still the ones broadcast from rank 0."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, momentum=0.0))
+    model = DataParallel(net, comm)
+    model(torch.randn(5, 3))
+    net[1].register_buffer("late", torch.full((2,), float(comm.rank)))
+    net.append(nn.BatchNorm1d(4, momentum=0.0))  # a submodule, with buffers, added later
+    net[2].running_mean = torch.full((4,), 10.0 + comm.rank)  # replaced by assignment
+    model(torch.randn(5, 3))
+    assert torch.equal(net[1].late, torch.zeros(2))
+    assert torch.equal(net[2].running_mean, torch.full((4,), 10.0))
+    net.double()  # every buffer replaced by a float64 copy, with no registration
+    with torch.no_grad():
+        net[1].running_var.fill_(1.0 + comm.rank)
+    model(torch.randn(5, 3, dtype=torch.float64))
+    assert torch.equal(net[1].running_var, torch.ones(4, dtype=torch.float64))
+    model.close()
+
+
+def test_module_buffers_follow_every_change_of_the_module():
+    """``ModuleBuffers(m)()`` equals ``list(m.buffers())`` (identity and order) after
+    registrations, assignments, conversions, deletions, shared submodules and shared tensors."""
+    from heatlike.nn.buffers import ModuleBuffers
+
+    shared = nn.BatchNorm1d(3)
+    net = nn.Sequential(nn.Linear(3, 3), shared, nn.Sequential(shared, nn.BatchNorm1d(3)))
+    found = ModuleBuffers(net)
+
+    def same():
+        mine, torch_s = found(), list(net.buffers())
+        assert len(mine) == len(torch_s) and all(a is b for a, b in zip(mine, torch_s))
+
+    same()
+    net[0].register_buffer("extra", torch.zeros(1))
+    same()
+    net[0].extra = torch.ones(1)
+    same()
+    net[0].register_buffer("alias", net[2][1].running_mean)  # one tensor under two names
+    same()
+    net.half()
+    same()
+    del net[0].extra
+    same()
+    net.add_module("more", nn.BatchNorm1d(3))
+    same()
+    net[0].register_buffer("nothing", None)
+    same()
+
+
 def test_bf16_codec_halves_bytes_and_stays_close(comm):
     P, r = comm.size, comm.rank
     reference = Net(seed=0)

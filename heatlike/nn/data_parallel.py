@@ -38,6 +38,7 @@ from ..engine.replicas import (
 )
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
+from .buffers import ModuleBuffers
 from .deferred import ApplyBeforeUse
 from .hooks import WrapperHook, compiled_parts, run_eagerly
 
@@ -157,6 +158,7 @@ class DataParallel(torch.nn.Module):
         self.comm = comm
         self.optimizer = optimizer
         self.sync_buffers = sync_buffers
+        self._module_buffers = ModuleBuffers(module)  # module.buffers() without a walk per call
         self.find_unused_parameters = find_unused_parameters
         self.check_finite = check_finite
         self._join = None  # the heatlike.nn.Join context this model is in
@@ -246,7 +248,7 @@ class DataParallel(torch.nn.Module):
 
     @torch.no_grad()
     def _sync_buffers(self) -> None:
-        buffers = [b for b in self.module.buffers() if b.numel()]
+        buffers = [b for b in self._module_buffers() if b.numel()]
         if not buffers:
             return
         if self.sync_buffers == "broadcast":
