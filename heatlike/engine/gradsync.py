@@ -146,10 +146,10 @@ def _sums_plainly(reducer: Reducer) -> bool:
 def _summable_in_place(grad: torch.Tensor, bucket: Bucket, i: int) -> bool:
     """Whether ``grad`` can be summed where it is instead of in its place in the bucket
     (parameter ``i``): a dense contiguous tensor of the parameter's shape and the bucket's dtype
-    and device, alone in its storage (no view of another
-    tensor, no part of a buffer shared with others: their version counter is shared too, and
-    in-flight checks would see one gradient's division as a change of the other), the gradient
-    of this parameter only, with no autograd history (``create_graph``)."""
+    and device, alone in its storage (no view of another tensor, no part of a buffer shared with
+    others: their version counter is shared too, and in-flight checks would see one gradient's
+    division as a change of the other), the gradient of this parameter only, with no autograd
+    history (``create_graph``)."""
     return grad.layout == torch.strided and grad.dtype == bucket.dtype and \
         grad.device == bucket.device and grad.shape == bucket.params[i].shape and \
         grad.is_contiguous() and \
