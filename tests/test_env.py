@@ -211,6 +211,28 @@ def test_every_heatlike_variable_is_in_the_table():
     assert not missing, f"not in docs/communication.md's table: {missing}"
 
 
+def test_inplace_min_kb_sets_which_gradients_are_summed_in_place(monkeypatch, comm):
+    """HEATLIKE_INPLACE_MIN_KB: parameters of at least that many KiB get buckets of their own
+    (several ranks: summed in place); above the largest one, none does; a bad value raises on
+    every rank, before anything is built."""
+    import torch
+
+    from heatlike.nn import DataParallel
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))  # 16 and 8 KiB
+    for kib, solo in [("8", 2), ("9", 1), ("17", 0)]:
+        monkeypatch.setenv("HEATLIKE_INPLACE_MIN_KB", kib)
+        model = DataParallel(net, comm)
+        try:
+            assert sum(model.grad_sync._solo) == (solo if comm.size > 1 else 0), kib
+        finally:
+            model.close()
+    for bad in ("0", "1.5", "big"):
+        monkeypatch.setenv("HEATLIKE_INPLACE_MIN_KB", bad)
+        with pytest.raises(ValueError, match="HEATLIKE_INPLACE_MIN_KB="):
+            DataParallel(net, comm)
+
+
 def test_bucket_cap_and_concurrent_buckets(monkeypatch, comm):
     """HEATLIKE_BUCKET_CAP_MB is DataParallel's bucket size when none is given (an explicit one
     wins), HEATLIKE_CONCURRENT_BUCKETS the gradient synchronization's channels; bad values

@@ -196,9 +196,10 @@ class GradientSync:
     another; default ``HEATLIKE_CONCURRENT_BUCKETS``, else 4. On the virtual cluster (2 nodes x
     2 ranks, 1 Gbit/s) a model of 13 buckets stepped about 10% faster non-blocking with 4 than
     with 1 (docs/multinode.md). ``inplace`` (default True): where the exchange is a plain sum
-    over memory MPI reads directly, parameters of at least :data:`INPLACE_MIN_BYTES` get
-    buckets of their own and their gradients are summed in ``.grad`` (module docstring, "Sums
-    in place"); False plans buckets by the caps alone (DistOpt: SINGA's fused buffers).
+    over memory MPI reads directly, parameters of at least :data:`INPLACE_MIN_BYTES`
+    (``HEATLIKE_INPLACE_MIN_KB`` KiB where set) get buckets of their own and their gradients
+    are summed in ``.grad`` (module docstring, "Sums in place"); False plans buckets by the caps
+    alone (DistOpt: SINGA's fused buffers).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
@@ -213,6 +214,7 @@ class GradientSync:
         self.comm = sanitize_comm(comm)
         error = None
         try:
+            solo_kib = env_int("HEATLIKE_INPLACE_MIN_KB", None, minimum=1)
             if concurrent_buckets is None:
                 concurrent_buckets = env_int("HEATLIKE_CONCURRENT_BUCKETS", 4, minimum=1)
             if not isinstance(concurrent_buckets, int) or isinstance(concurrent_buckets, bool) \
@@ -233,7 +235,7 @@ class GradientSync:
         staged_params = any(staged(p) for p in self.params)
         # the plan gives large parameters buckets of their own where their gradients can be
         # summed in place (the reducer may change later: _begin decides per cycle)
-        self._solo_bytes = INPLACE_MIN_BYTES if (
+        self._solo_bytes = (INPLACE_MIN_BYTES if solo_kib is None else solo_kib * 1024) if (
             inplace and self.comm.size > 1 and not staged_params and
             (codec is None or type(codec) is Identity) and
             (reducer is None or _sums_plainly(reducer))) else None
