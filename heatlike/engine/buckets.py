@@ -119,18 +119,23 @@ class Bucket:
 
     @property
     def buffer(self) -> torch.Tensor:
+        """The flat buffer: ``size`` values, then one flag per parameter (allocated, zeroed, at
+        the first access)."""
         if self._buffer is None:
             self._materialize()
         return self._buffer
 
     @property
     def views(self) -> list[torch.Tensor]:
+        """Parameter i's place in the buffer, with its shape."""
         if self._buffer is None:
             self._materialize()
         return self._views
 
     @property
     def flags(self) -> torch.Tensor:
+        """The buffer's last elements: one use flag per parameter (summed over ranks by the
+        exchange: how many ranks had a gradient for it)."""
         if self._buffer is None:
             self._materialize()
         return self._flags
