@@ -507,6 +507,34 @@ def test_buffers_frozen_parameters_and_chunks(comm, nodes):
     assert daso.bytes_cross >= 0 and daso.epoch == 3
 
 
+def test_buffers_replaced_after_wrapping_are_the_ones_synchronized(comm, nodes):
+    """A buffer tensor replaced after wrapping (as ``module.to()`` or an assignment does) is the
+    one DASO synchronizes: bitwise the run whose buffers were never replaced, identical on every
+    rank after each blocking synchronization. A buffer added after wrapping raises ValueError on
+    every rank that added it, before anything is sent."""
+    def run(replace):
+        net = Net(seed=3, bn=True)
+        daso = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                    warmup_epochs=1, cooldown_epochs=0)
+        model = DataParallelMultiGPU(net, daso)
+        if replace:
+            net.bn.running_mean = net.bn.running_mean.clone()
+            net.bn.running_var = net.bn.running_var.clone()
+        _train(daso, model, 3, 4, check=lambda e: _identical_everywhere(comm, net))
+        return _flat(net), net, daso, model
+
+    reference, *_ = run(False)
+    replaced, net, daso, model = run(True)
+    assert torch.equal(replaced, reference)
+    net.register_buffer("extra", torch.zeros(3))
+    x, y = _data(0, B, seed=comm.rank + 1)
+    nn.functional.cross_entropy(model(x), y).backward()
+    sent = daso.bytes_cross
+    with pytest.raises(ValueError, match="buffers changed since it was wrapped"):
+        daso.step()
+    assert daso.bytes_cross == sent
+
+
 def test_amp_skips_together(comm):
     """A non-finite gradient on one rank makes every rank skip the step and back off alike."""
     net = Net(seed=2)

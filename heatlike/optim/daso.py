@@ -79,6 +79,7 @@ from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
 from ..engine.replicas import average_tensors, broadcast_tensors
+from ..nn.buffers import ModuleBuffers
 from .wrapping import WrappedOptimizer
 
 __all__ = ["DASO", "PlateauDetector"]
@@ -242,7 +243,8 @@ class DASO(WrappedOptimizer):
     def set_model(self, model: torch.nn.Module) -> None:
         """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU)."""
         self.module = model
-        self._buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+        self._module_buffers = ModuleBuffers(model)
+        self._buffers = self._float_buffers()
         self._tensors = [p for p in model.parameters() if p.requires_grad] + self._buffers
         self._replicas_agree = self._node_agrees = True
         size = sum(t.numel() for t in self._tensors)
@@ -250,6 +252,32 @@ class DASO(WrappedOptimizer):
         self._ref = comm_buffer(size, torch.float32, device)
         if self._tensors:
             pack(self._tensors, self._ref)
+
+    def _float_buffers(self) -> list[torch.Tensor]:
+        """The module's floating-point buffers that hold values, in ``module.buffers()``'s
+        order."""
+        return [b for b in self._module_buffers() if b.is_floating_point() and b.numel()]
+
+    def _current_buffers(self) -> None:
+        """Take the module's buffers as they are now: ``module.to()``, ``double()`` or an
+        assignment after ``set_model`` replaces buffer tensors, and DASO must synchronize the
+        new ones, not the tensors it was given. A buffer of another shape, or one added or
+        removed, would change the parameter vector that ``ref`` and the synchronizations in
+        flight are laid out by: ValueError (on every rank that changed its module; build the
+        module completely before wrapping it)."""
+        current = self._float_buffers()
+        if len(current) == len(self._buffers) and all(
+                a is b for a, b in zip(current, self._buffers)):
+            return
+        before = [tuple(b.shape) for b in self._buffers]
+        now = [tuple(b.shape) for b in current]
+        if now != before:
+            raise ValueError(
+                f"DASO: the model's floating-point buffers changed since it was wrapped (shapes "
+                f"{before} -> {now}); register every buffer before wrapping the module with "
+                f"DataParallelMultiGPU, or wrap it again")
+        self._tensors = self._tensors[:len(self._tensors) - len(self._buffers)] + current
+        self._buffers = current
 
     @property
     def gradient_warmup(self) -> bool:
@@ -328,6 +356,7 @@ class DASO(WrappedOptimizer):
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
+        self._current_buffers()
         if self.gradient_warmup:
             self._gradient_warmup_step()
             return
