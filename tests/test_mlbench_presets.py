@@ -77,6 +77,36 @@ def test_centralized_adam(comm):
              lambda m: torch.optim.Adam(m.parameters(), lr=0.01))
 
 
+@pytest.mark.parametrize("reducer", ["flat", "hierarchical"])
+def test_large_gradients_are_summed_in_place_by_both_all_reduces(comm, monkeypatch, reducer):
+    """CentralizedSGD's large gradients get buckets of their own and are summed where backward
+    left them (``.grad`` is still the tensor backward made), with the flat all-reduce and with
+    ``Hierarchical``'s three phases alike (on emulated or real nodes in the matrix), so its
+    buckets complete during the backward pass as DataParallel's do; the model equals one
+    process with the combined batch."""
+    from heatlike.core.topology import get_topology
+    from heatlike.engine import gradsync
+    from heatlike.engine.reducers import AllReduce, Hierarchical
+
+    monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES", 64)  # the 12x6 and 3x12 weights
+    made = {}
+
+    def make(m):
+        red = (Hierarchical(comm, topology=get_topology(comm)) if reducer == "hierarchical"
+               else AllReduce(comm))
+        opt = optim.CentralizedSGD(model=m, lr=0.1, momentum=0.9, comm=comm, reducer=red)
+        m[0].weight.register_post_accumulate_grad_hook(
+            lambda p: made.__setitem__("w", p.grad.data_ptr()))
+        return opt
+
+    opt = _compare(comm, make, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    several = comm.size > 1
+    assert sum(opt.sync._solo) == (2 if several else 0)
+    if several:
+        assert opt.model[0].weight.grad.data_ptr() == made["w"]
+    opt.close()
+
+
 def test_custom_centralized_clipping_and_averaging(comm):
     """Clipping applies to the aggregated gradient; custom denominators scale it."""
     P = comm.size

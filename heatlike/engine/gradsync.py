@@ -36,27 +36,27 @@ bucket, so the hook has nothing to copy either (DDP's ``gradient_as_bucket_view`
 ``.grad`` is some other tensor (``zero_grad(set_to_none=True)`` followed by a backward, or a
 gradient assigned by hand) the hook copies it, so results never depend on it.
 
-*Sums in place.* Where the exchange is a plain sum (the identity codec and an ``AllReduce``
-reducer that adds: DataParallel, DDP's spelling, the centralized presets) of buffers MPI reads
-directly (host memory, or device memory with a CUDA-aware library), a parameter of at least
-:data:`INPLACE_MIN_BYTES` gets a bucket of its own (*solo*), and its gradient, when it is a
-dense contiguous tensor of its own (what backward allocates), is divided and summed where it is,
-in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A tensor the user
-still holds as that ``.grad`` then holds the average (as under DDP, which copies the average
-back into ``.grad``). A gradient that shares its storage with another tensor (autograd gives the
+*Sums in place.* Where the exchange is a plain sum (the identity codec and an ``AllReduce`` or
+``Hierarchical`` reducer that adds: DataParallel, DDP's spelling, the centralized presets) of
+buffers MPI reads directly (host memory, or device memory with a CUDA-aware library), a parameter
+of at least :data:`INPLACE_MIN_BYTES` gets a bucket of its own (*solo*), and its gradient, when it
+is a dense contiguous tensor of its own (what backward allocates), is divided and summed where it
+is, in ``.grad``: no copy in, none out (Heat's and Horovod's unfused tensors). A tensor the user
+still holds as that ``.grad`` then holds the average (as under DDP, which copies the average back
+into ``.grad``). A gradient that shares its storage with another tensor (autograd gives the
 parameters of a ``torch.cat`` one buffer), or that is already another parameter's gradient, is
 copied instead. A rank without that gradient (unused here, or not contiguous) sums its bucket's
-buffer as before; MPI does not mind which memory each rank passes. Buckets allocate their
-buffers at first use, so a solo bucket whose gradient every rank has holds no memory: gradient
-memory is the bare model's. The solo buckets' use flags cannot ride in a gradient, so they are
-summed by one small all-reduce per cycle, started after the last bucket at the end of the
-backward pass; only a rank that had no gradient for a solo parameter waits for it (a rank that
-had one knows that its sum is positive). The values are those of the copying path: the same
-division, then the same sum; bitwise with MPICH's all-reduce, whose grouping of the sums does
-not depend on the element count (an all-reduce that splits a message by its length, as a ring
-does, may round the two paths' sums differently by a last bit; every rank still gets the same
-bits). On 2 ranks (a 256-1024-1024-10 MLP, 5.3 MB of gradients) the copy of the 5.2 MB bucket
-was most of DataParallel's cost beyond a bare all-reduce (docs/ports.md, "Speed against Heat").
+buffer as before; MPI does not mind which memory each rank passes. Buckets allocate their buffers
+at first use, so a solo bucket whose gradient every rank has holds no memory: gradient memory is
+the bare model's. The solo buckets' use flags cannot ride in a gradient, so they are summed by one
+small all-reduce per cycle, started after the last bucket at the end of the backward pass; only a
+rank that had no gradient for a solo parameter waits for it (a rank that had one knows that its sum
+is positive). The values are those of the copying path: the same division, then the same sum;
+bitwise with MPICH's all-reduce, whose grouping of the sums does not depend on the element count
+(an all-reduce that splits a message by its length, as a ring does, may round the two paths' sums
+differently by a last bit; every rank still gets the same bits). On 2 ranks (a 256-1024-1024-10
+MLP, 5.3 MB of gradients) the copy of the 5.2 MB bucket was most of DataParallel's cost beyond a
+bare all-reduce (docs/ports.md, "Speed against Heat").
 
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
 
@@ -138,9 +138,11 @@ def _phase(start: Callable[[], Request]):
 
 
 def _sums_plainly(reducer: Reducer) -> bool:
-    """Whether ``reducer`` is the flat all-reduce with an adding op (a sum or an average), whose
-    exchanges can sum a gradient in place."""
-    return type(reducer) is AllReduce and reducer.sums
+    """Whether ``reducer`` is an all-reduce with an adding op (a sum or an average: the flat
+    :class:`AllReduce` or :class:`~heatlike.engine.reducers.Hierarchical`, whose three phases
+    also leave the sum in the tensor they are given), whose exchanges can sum a gradient in
+    place."""
+    return isinstance(reducer, AllReduce) and reducer.sums
 
 
 def _summable_in_place(grad: torch.Tensor, bucket: Bucket, i: int) -> bool:
