@@ -817,6 +817,15 @@ def test_module_buffers_follow_every_change_of_the_module():
     same()
     net[0].register_buffer("nothing", None)
     same()
+    del net.more  # no registration hook runs for a deleted submodule
+    same()
+    del net[2][1]  # nor for one deleted from a Sequential below the top
+    same()
+    inner = net[2]
+    del net[2]  # the shared BatchNorm is still reachable as net[1]
+    same()
+    inner.add_module("late", nn.BatchNorm1d(2))  # outside the module: nothing changes
+    same()
 
 
 def test_bf16_codec_halves_bytes_and_stays_close(comm):
