@@ -575,6 +575,22 @@ def test_numpy_paths_and_namespaces_round_trip(comm, tmp_path):
     assert type(fresh.state["mean"]) is np.float32 and fresh.state["mean"] == comm.rank + 0.5
 
 
+def test_expanded_and_empty_strided_tensors_round_trip(comm, tmp_path):
+    """Tensors whose strides are 0 (an expanded scalar, an empty slice of one: DASO keeps an
+    empty shard on a rank without a partner on every node) are saved and loaded, with their
+    values, on every rank."""
+    path = _shared_path(comm, tmp_path)
+    net = torch.nn.Linear(2, 2)
+    scalar = torch.tensor(float(comm.rank + 2))
+    values = {"expanded": scalar.expand(3), "one": scalar.expand(1),
+              "empty": scalar.expand(4)[2:2], "empty_2d": torch.zeros(()).expand(0, 5)}
+    assert values["one"].stride() == (0,) and values["empty"].numel() == 0
+    checkpoint.save(path, net, comm=comm, **values)
+    loaded = checkpoint.load(path, net, comm=comm)
+    for key, value in values.items():
+        assert loaded[key].shape == value.shape and torch.equal(loaded[key], value), key
+
+
 class Opaque:
     pass
 

@@ -244,9 +244,13 @@ def _structure(tree) -> str:
 def _digest(leaf) -> str:
     h = hashlib.blake2b(digest_size=16)
     if isinstance(leaf, torch.Tensor):
-        t = leaf.detach().cpu().contiguous()
+        t = leaf.detach().cpu()
         h.update(f"tensor {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        if t.numel():  # (an empty tensor may have stride 0: nothing to read)
+            flat = t.contiguous().reshape(-1)
+            if flat.stride(-1) != 1:  # one element, expanded: contiguous() keeps stride 0
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            h.update(flat.view(torch.uint8).numpy().tobytes())
     elif leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
         h.update(f"{type(leaf).__name__} {leaf!r}".encode())
     else:
