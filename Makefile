@@ -51,7 +51,7 @@ lint: setup
 
 test: lint
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1,2,3 --nodes-size 4 \
-		--real-nodes 2 --fake-nodes 2 --timeout 2400 -- -m "not system"
+		--real-nodes 2 --fake-nodes 2 --uneven-nodes 3 --timeout 2400 -- -m "not system"
 
 test-system: setup
 	$(PY) -m heatlike.testing.matrix --mpiexec "$(MPIEXEC)" --sizes 1 --fake-nodes 0 \

@@ -221,3 +221,16 @@ def test_stop_signals_raise_once_and_handlers_come_back(signum):
             time.sleep(0.1)
     assert caught.value.signum == signum
     assert signal.getsignal(signum) is before
+
+
+def test_the_uneven_nodes_run_needs_three_ranks_and_names_existing_files(capsys):
+    """``--uneven-nodes N`` runs nodes of N - 1 ranks and 1: fewer than 3 ranks is a usage error
+    (nothing launched); every file it takes exists, so that a renamed one cannot drop out."""
+    from heatlike.testing.matrix import UNEVEN_TESTS, main
+
+    root = Path(__file__).resolve().parent.parent
+    assert all((root / name).is_file() for name in UNEVEN_TESTS), UNEVEN_TESTS
+    with pytest.raises(SystemExit) as stopped:
+        main(["--sizes", "", "--fake-nodes", "0", "--uneven-nodes", "2"])
+    assert stopped.value.code == 2
+    assert "--uneven-nodes 2: give 3 or more ranks" in capsys.readouterr().err
