@@ -502,9 +502,10 @@ def test_graph_validation(comm):
         nbrs = [1] if r == 0 else [j for j in range(size) if j not in (r, 0)] or [2]
         with pytest.raises(ValueError, match="symmetric"):
             NeighborGraph(comm, nbrs)
-    if size >= 4:  # two disconnected pairs
+    if size >= 4:  # two components: the pair {0, 1}, and a line through the other ranks
+        pair = [1 - r] if r < 2 else [j for j in (r - 1, r + 1) if 2 <= j < size]
         with pytest.raises(ValueError, match="not connected"):
-            NeighborGraph(comm, [r ^ 1])
+            NeighborGraph(comm, pair)
     with pytest.raises(ValueError, match="itself"):
         NeighborGraph(comm, [r])
     with pytest.raises(ValueError, match="not a rank"):
