@@ -52,9 +52,11 @@ the bare model's. The solo buckets' use flags cannot ride in a gradient, so they
 small all-reduce per cycle, started after the last bucket at the end of the backward pass; only a
 rank that had no gradient for a solo parameter waits for it (a rank that had one knows that its sum
 is positive). The values are those of the copying path: the same division, then the same sum;
-bitwise with MPICH's all-reduce, whose grouping of the sums does not depend on the element count
-(an all-reduce that splits a message by its length, as a ring does, may round the two paths' sums
-differently by a last bit; every rank still gets the same bits). On 2 ranks (a 256-1024-1024-10
+bitwise with MPICH's all-reduce, whose grouping of the sums does not depend on the element count,
+on one node and on two nodes of at most two ranks (an all-reduce that splits a message by its
+length, as a ring does, may round the two paths' sums differently by a last bit, and so may larger
+nodes, where a bucket's byte size chooses between the node-aware sum and MPI's, which group the
+ranks differently; every rank still gets the same bits). On 2 ranks (a 256-1024-1024-10
 MLP, 5.3 MB of gradients) the copy of the 5.2 MB bucket was most of DataParallel's cost beyond a
 bare all-reduce (docs/ports.md, "Speed against Heat").
 
