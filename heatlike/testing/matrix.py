@@ -54,7 +54,8 @@ from .children import Stopped, end_tree, held_signals, start, stop_on_signals
 from .cluster import MIN_BYTES, ClusterError, VirtualCluster
 
 #: the test files the ``--uneven-nodes`` run takes: those whose code depends on the layout of
-#: ranks on nodes (3 ranks as 2 + 1 took 41 s for them on 2 cores)
+#: ranks on nodes (3 ranks as 2 + 1 took 41 s for them on 2 cores); paths from the repository's
+#: root, where ``make test`` runs the matrix
 UNEVEN_TESTS = ("tests/test_topology.py", "tests/test_engine_codecs.py",
                 "tests/test_node_reduce.py", "tests/test_data_parallel.py", "tests/test_daso.py",
                 "tests/test_mlbench_presets.py", "tests/test_resume_models.py",
