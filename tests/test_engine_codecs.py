@@ -219,6 +219,40 @@ def test_powersgd_full_rank_is_exact(comm, reuse):
     assert torch.allclose(total, torch.zeros(n), atol=1e-4)
 
 
+@pytest.mark.parametrize("rank", [1, 2, 8, 9])
+def test_powersgd_follows_its_formula_on_large_and_small_matrices(comm, rank):
+    """The docstring's formula with plain matrix products, every rank's data known to every
+    rank: the decoded sum P Q^T and this rank's residual M_r - P Q_r^T. The 1024 x 512 matrix
+    takes the CPU's broadcast products up to 8 columns, the small one the matrix products."""
+    shapes = [torch.Size([1024, 512]), torch.Size([7]), torch.Size([20, 3, 3])]
+    n = sum(math.prod(s) for s in shapes)
+    xs = [_x(r, n, seed=11) for r in range(comm.size)]
+    codec = PowerSGD(rank=rank)
+    got = _run(codec, xs[comm.rank].clone(), comm, shapes=shapes, step=3)
+    residual = codec.state_for(0)["residual"]
+    ctx = Context(key=0, shapes=shapes, size=comm.size, rank=comm.rank, step=3)
+    offset = 0
+    for i, shape in enumerate(shapes):
+        size = math.prod(shape)
+        piece = slice(offset, offset + size)
+        offset += size
+        if len(shape) == 1:
+            torch.testing.assert_close(got[piece], _sum_of([x[piece] for x in xs]))
+            assert torch.equal(residual[piece], torch.zeros(size))
+            continue
+        ms = [x[piece].view(shape[0], -1).double() for x in xs]
+        r = min(rank, *ms[0].shape)
+        q = torch.randn(ms[0].shape[1], r, generator=ctx.generator(salt=i)).double()
+        p = torch.linalg.qr(sum(m @ q for m in ms), mode="reduced").Q
+        q_each = [m.t() @ p for m in ms]
+        expected = p @ sum(q_each).t()
+        torch.testing.assert_close(got[piece].view(expected.shape).double(), expected,
+                                   rtol=1e-4, atol=1e-4)
+        mine = ms[comm.rank] - p @ q_each[comm.rank].t()
+        torch.testing.assert_close(residual[piece].view(mine.shape).double(), mine,
+                                   rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("make", [lambda: PowerSGD(rank=1), lambda: PowerSGD(rank=2,
                                                                               reuse_query=True),
                                   lambda: TopK(k=3), lambda: RandomK(k=4), lambda: ScaledSign()],
