@@ -260,11 +260,13 @@ class TopK(_Feedback):
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         total = self._with_residual(x, ctx)
         k = _count(x.numel(), self.k, self.ratio)
-        # |total| in a pooled buffer: a fresh one of millions of entries paid its page faults
-        # at every exchange
-        raw = buffer_pool.take(total.numel() * total.element_size(), total.device)
-        indices = largest(torch.abs(total, out=raw.view(total.dtype)), k)
-        buffer_pool.give(raw)
+        if total.device.type == "cpu":  # |total| in a pooled buffer: a fresh one of millions
+            # of entries paid its page faults at every exchange (CUDA's allocator reuses its own)
+            raw = buffer_pool.take(total.numel() * total.element_size(), total.device)
+            indices = largest(torch.abs(total, out=raw.view(total.dtype)), k)
+            buffer_pool.give(raw)
+        else:
+            indices = largest(total.abs(), k)
         values = total.index_select(0, indices)  # 3x faster than total[indices] here
         if self.error_feedback:  # the residual: total less what is sent (distinct indices)
             total.index_add_(0, indices, values, alpha=-1)
