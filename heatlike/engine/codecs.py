@@ -177,14 +177,15 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
     n = a.numel()
     if n < 1 << 16 or 8 * k > n:
         return torch.topk(a, k, sorted=False).indices
-    sample = a[::n // (1 << 15)]
-    m = sample.numel()
+    stride = n // (1 << 15)
+    m = len(range(0, n, stride))
     above = min(m, math.ceil(1.5 * k * m / n) + 8)
-    threshold = torch.kthvalue(sample, m - above + 1).values
     if a.device.type == "cpu" and a.dtype is not torch.bfloat16:
-        # numpy's comparison with a scalar and in-place negation: about 2x torch's here
         values = a.numpy()
-        keep = np.less(values, threshold.item())
+        # numpy's introselect on the sample: a third to a half of torch.kthvalue's time
+        threshold = np.partition(values[::stride], m - above)[m - above]
+        # numpy's comparison with a scalar and in-place negation: about 2x torch's here
+        keep = np.less(values, threshold)
         np.logical_not(keep, out=keep)  # NaN is not below the threshold: kept
         candidates = np.flatnonzero(keep)
         if candidates.size < k:
@@ -192,6 +193,7 @@ def largest(a: torch.Tensor, k: int) -> torch.Tensor:
         # numpy's introselect orders NaN last, as the largest: 6x torch.topk's time here
         chosen = np.argpartition(values[candidates], candidates.size - k)[candidates.size - k:]
         return torch.from_numpy(candidates[chosen])
+    threshold = torch.kthvalue(a[::stride], m - above + 1).values
     candidates = flat_nonzero(~(a < threshold))
     if candidates.numel() < k:
         return torch.topk(a, k, sorted=False).indices
