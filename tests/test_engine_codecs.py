@@ -17,6 +17,7 @@ from heatlike.engine import (
     Gossip,
     Hierarchical,
     Identity,
+    PerTensor,
     PowerSGD,
     RandomBlock,
     RandomK,
@@ -1076,3 +1077,129 @@ def test_averages_divide_by_a_power_of_two_as_a_multiplication_with_the_same_bit
         assert torch.equal(torch.signbit(out), torch.signbit(expected)), d
     assert _exact_reciprocal(3.0, dtype) is None and _exact_reciprocal(8.0, dtype) == 0.125
     assert _exact_reciprocal(2.0**30, torch.float16) is None  # 2**-30 is below float16's range
+
+
+PER_TENSOR_INNER = {
+    "topk": lambda: TopK(k=3), "randomk-own": lambda: RandomK(k=4, shared=False),
+    "randomblock-own": lambda: RandomBlock(k=5, shared=False), "randomk": lambda: RandomK(k=4),
+    "threshold": lambda: Threshold(0.8), "sign": Sign, "powersgd": lambda: PowerSGD(rank=1),
+}
+
+
+class _Counting(AllReduce):
+    """AllReduce that counts the rounds it is handed."""
+
+    def __init__(self, comm):
+        super().__init__(comm, op="avg")
+        self.rounds = 0
+
+    def combine(self, t, channel=None):
+        self.rounds += 1
+        return (yield from super().combine(t, channel))
+
+    def gather(self, tensors, variable=False, channel=None):
+        self.rounds += 1
+        return (yield from super().gather(tensors, variable, channel))
+
+
+@pytest.mark.parametrize("name", sorted(PER_TENSOR_INNER))
+def test_per_tensor_equals_each_tensor_exchanged_alone(comm, name):
+    """PerTensor(c) over a bucket of tensors gives, bitwise, what c gives each tensor alone
+    (keyed (bucket, i), the same step and seed, averaged): the decoded values, the residuals and
+    the supports, over three steps; with one collective per round for the whole bucket. Zeros in
+    one tensor make Sign's tensors run different rounds."""
+    shapes = [torch.Size([6, 5]), torch.Size([7]), torch.Size([1]), torch.Size([3, 4, 2]),
+              torch.Size([0])]
+    sizes = [math.prod(s) for s in shapes]
+    n = sum(sizes)
+    fused, alone = PerTensor(PER_TENSOR_INNER[name]()), PER_TENSOR_INNER[name]()
+    for step in range(3):
+        x = _x(comm.rank, n, step=step, seed=13)
+        x[30:37] = 0.0 if step == 1 else x[30:37]  # the second tensor all zeros once
+        reducer = _Counting(comm)
+        ctx = Context(key=4, shapes=shapes, size=comm.size, rank=comm.rank, step=step,
+                      state=fused.state_for(4))
+        got = x.clone()
+        Request(exchange(got, fused, reducer, ctx)).Wait()
+        offset, rounds = 0, 0
+        for i, (shape, size) in enumerate(zip(shapes, sizes)):
+            part = slice(offset, offset + size)
+            offset += size
+            single = _Counting(comm)
+            sub = Context(key=(4, i), shapes=[shape], size=comm.size, rank=comm.rank, step=step,
+                          state=alone.state_for((4, i)))
+            want = x[part].clone()
+            Request(exchange(want, alone, single, sub)).Wait()
+            rounds = max(rounds, single.rounds)
+            assert torch.equal(got[part], want), (step, i)
+            mine, theirs = ctx.state[i].get("residual"), sub.state.get("residual")
+            assert (mine is None) == (theirs is None)
+            assert mine is None or torch.equal(mine, theirs), (step, i)
+            if sub.support is None:
+                assert ctx.parts[i] is None
+            elif isinstance(sub.support, slice):
+                assert ctx.parts[i] == sub.support
+            else:
+                assert torch.equal(ctx.parts[i], sub.support)
+        # one collective per round; Sign's all-zero tensor may add a round of the other kind
+        assert reducer.rounds <= rounds + (1 if name == "sign" else 0), (step, reducer.rounds)
+
+
+def test_per_tensor_support_is_the_union_and_parts_reach_the_parameters(comm):
+    """A bucket of two parameters through PerTensor(RandomK(own)) in mlbench's sparsified SGD:
+    each parameter changes exactly by the average of what the ranks sent of it, the bucket's
+    support covers both, and coordinates nobody sent stay bitwise equal."""
+    from heatlike import optim
+
+    torch.manual_seed(3)
+    w1, w2 = torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(50, 40))
+    opt = optim.CentralizedSparsifiedSGD([w1, w2], lr=0.5, sparse_grad_size=10,
+                                         random_sparse=True, comm=comm)
+    assert len(opt.sync.buckets) == 1 and len(opt.sync.buckets[0].params) == 2
+    g = torch.Generator().manual_seed(comm.rank)
+    grads = [torch.randn(3000, generator=g), torch.randn(50, 40, generator=g)]
+    before = [w1.detach().clone(), w2.detach().clone()]
+    w1.grad, w2.grad = grads[0].clone(), grads[1].clone()
+    opt.step()
+    state = opt.sync.codec.state_for(0)
+    b = opt.sync.buckets[0]
+    for w, grad, old in zip([w1, w2], grads, before):
+        i = next(j for j, p in enumerate(b.params) if p is w)
+        support = opt.sync.support_of(w)
+        assert support is not None and support.numel() == 10 * comm.size
+        sent = 0.5 * grad.reshape(-1) - state[i]["residual"]
+        assert int((sent != 0).sum()) == 10
+        total = sent.clone()
+        comm.Allreduce(hl.IN_PLACE, total)
+        torch.testing.assert_close(w.detach().reshape(-1), old.reshape(-1) - total / comm.size)
+        untouched = total == 0
+        assert torch.equal(w.detach().reshape(-1)[untouched], old.reshape(-1)[untouched])
+
+
+def test_per_tensor_loads_the_state_its_inner_codec_kept_alone():
+    """A state saved with one tensor per bucket by the inner codec itself loads as each bucket's
+    tensor 0; another codec's state is refused; PerTensor does not nest."""
+    inner = TopK(k=2)
+    inner.state_for(0)["residual"] = torch.arange(4.0)
+    inner.state_for(1)["residual"] = torch.ones(3)
+    fused = PerTensor(TopK(k=2))
+    fused.load_state_dict(inner.state_dict())
+    assert torch.equal(fused.state_for(0)[0]["residual"], torch.arange(4.0))
+    assert torch.equal(fused.state_for(1)[0]["residual"], torch.ones(3))
+    again = PerTensor(TopK(k=2))
+    again.load_state_dict(fused.state_dict())
+    assert torch.equal(again.state_for(1)[0]["residual"], torch.ones(3))
+    with pytest.raises(ValueError, match="state of codec"):
+        PerTensor(TopK(k=3)).load_state_dict(inner.state_dict())
+    with pytest.raises(TypeError, match="wraps a codec"):
+        PerTensor(fused)
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk-own", "randomblock-own", "threshold", "sign"])
+def test_an_empty_tensor_exchanges_through_every_gathering_codec(comm, name):
+    """A tensor of no entries (a zero-size parameter) sends nothing and decodes to nothing at
+    every size: a fixed-size gather of empty tensors issues no collective (an all-gather of no
+    bytes viewed its ranks' rows at odd offsets and raised)."""
+    codec = PER_TENSOR_INNER[name]()
+    got = _run(codec, torch.empty(0), comm, AllReduce(comm), shapes=[torch.Size([0])])
+    assert got.numel() == 0

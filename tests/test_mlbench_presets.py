@@ -307,7 +307,7 @@ def test_sparsified_updates_touch_only_their_coordinates(comm, random_sparse):
     w.grad = g.clone()
     opt.step()
     assert opt.sync.support_of(w) is not None, "the update's support is not used"
-    memory = opt.sync.codec.state_for(0)["residual"]
+    memory = opt.sync.codec.state_for(0)[0]["residual"]
     sent = 0.5 * g - memory
     total = sent.clone()
     comm.Allreduce(hl.IN_PLACE, total)

@@ -8,6 +8,7 @@ from .codecs import (  # noqa: F401
     Cast,
     Codec,
     Identity,
+    PerTensor,
     PowerSGD,
     RandomBlock,
     RandomK,

@@ -46,8 +46,8 @@ from ..core.buffer_pool import pool as buffer_pool
 from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["all_finite", "Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock",
-           "Threshold", "Sign", "ScaledSign", "PowerSGD", "Clipped", "Warmup", "CODEC_NAMES",
-           "codec_from", "codec_error"]
+           "Threshold", "Sign", "ScaledSign", "PowerSGD", "Clipped", "Warmup", "PerTensor",
+           "CODEC_NAMES", "codec_from", "codec_error"]
 
 
 class Codec:
@@ -676,6 +676,122 @@ class Warmup(Codec):
             yield Sum(x)
         else:
             yield from self.inner.rounds(x, ctx)
+
+
+class PerTensor(Codec):
+    """``inner`` applied to each tensor of a bucket as if the tensor were alone in a bucket (its
+    own k, residual and random draws), the tensors' messages travelling together: one collective
+    per round for the whole bucket instead of one per tensor. mlbench's sparsified SGD sends k
+    coordinates of every tensor; on a transformer of 29 tensors at 4 ranks the per-tensor
+    exchanges cost more than the model's dense all-reduce did.
+
+    Round by round, the tensors' Sum messages are summed concatenated, then their Gather
+    messages gathered, position by position concatenated (a variable gather adds their sizes,
+    so that each rank's pieces can be told apart); a tensor whose codec has ended sits the
+    round out. The rounds of each tensor are the same on every rank, as they are for a tensor
+    alone, so every rank issues the same collectives. The
+    state of tensor i of bucket b is ``state_for(b)[i]``, its random draws are keyed
+    ``(b, i)``. ``ctx.support`` is the union of the tensors' supports (a tensor that reports none
+    contributes all its positions) and ``ctx.parts`` each tensor's own."""
+
+    def __init__(self, inner: Codec) -> None:
+        if not isinstance(inner, Codec) or isinstance(inner, PerTensor):
+            raise TypeError(f"PerTensor wraps a codec instance, got {inner!r}")
+        super().__init__()
+        self.inner = inner
+        self.linear, self.stateful = inner.linear, inner.stateful
+        self.name = f"per-tensor-{inner.name}"
+
+    def pre(self, x: torch.Tensor) -> None:
+        self.inner.pre(x)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Also takes the state of ``inner`` alone, kept with one tensor per bucket (as
+        mlbench's sparsified SGD kept it): bucket b's state becomes its tensor 0's."""
+        if state.get("codec") == self.inner.name:
+            state = {"codec": self.name, "states": {b: {0: s} for b, s in state["states"].items()}}
+        super().load_state_dict(state)
+
+    def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
+        pieces, offset = [], 0
+        for i, shape in enumerate(ctx.shapes):
+            n = math.prod(shape)
+            pieces.append((slice(offset, offset + n),
+                           Context(key=(ctx.key, i), shapes=[shape], size=ctx.size,
+                                   rank=ctx.rank, step=ctx.step, seed=ctx.seed,
+                                   state=ctx.state.setdefault(i, {}))))
+            offset += n
+        runs = [self.inner.rounds(x[part], sub) for part, sub in pieces]
+        messages = [next(run, None) for run in runs]
+        while any(m is not None for m in messages):
+            replies = [None] * len(messages)
+            sums = [i for i, m in enumerate(messages) if isinstance(m, Sum)]
+            gathers = [i for i, m in enumerate(messages) if isinstance(m, Gather)]
+            if sums:
+                done = yield from _summed_together([messages[i] for i in sums])
+                for i, reply in zip(sums, done):
+                    replies[i] = reply
+            if gathers:
+                done = yield from _gathered_together([messages[i] for i in gathers])
+                for i, reply in zip(gathers, done):
+                    replies[i] = reply
+            messages = [None if m is None else _resumed(run, reply)
+                        for run, m, reply in zip(runs, messages, replies)]
+        parts = [sub.support for _, sub in pieces]
+        ctx.parts = parts
+        union = [torch.arange(part.start, part.stop, device=x.device) if support is None else
+                 torch.arange(part.start + support.start, part.start + support.stop,
+                              device=x.device) if isinstance(support, slice) else
+                 support.to(torch.int64) + part.start
+                 for (part, _), support in zip(pieces, parts)]
+        # scaling a few positions by index beats a pass over x only while they are few
+        few = union and 8 * sum(u.numel() for u in union) < x.numel()
+        ctx.support = torch.cat(union) if few else None
+
+
+def _resumed(run: Rounds, reply) -> Sum | Gather | None:
+    try:
+        return run.send(reply)
+    except StopIteration:
+        return None
+
+
+def _summed_together(messages: list[Sum]):
+    """One Sum of the messages' tensors concatenated; each tensor then holds its part."""
+    flat = torch.cat([m.tensor.reshape(-1) for m in messages])
+    yield Sum(flat)
+    offset = 0
+    for m in messages:
+        n = m.tensor.numel()
+        m.tensor.copy_(flat[offset:offset + n].view(m.tensor.shape))
+        offset += n
+    return [m.tensor for m in messages]
+
+
+def _gathered_together(messages: list[Gather]):
+    """One Gather of the messages' tensors concatenated position by position (the tensors of
+    every message alike in number and dtype); returns, per message, what a Gather of it alone
+    returns: ``result[r][j]``, tensor j of rank r."""
+    widths = {len(m.tensors) for m in messages}
+    if len(widths) != 1:
+        raise RuntimeError("the tensors of one bucket sent gathers of different shapes")
+    variable = any(m.variable for m in messages)
+    columns = [torch.cat([m.tensors[j].reshape(-1) for m in messages])
+               for j in range(widths.pop())]
+    counts = torch.tensor([[m.tensors[j].numel() for j in range(len(columns))]
+                           for m in messages], dtype=torch.int64)
+    sent = columns + ([counts.view(-1)] if variable else [])
+    gathered = yield Gather(sent, variable)
+    replies: list[list[list[torch.Tensor]]] = [[] for _ in messages]
+    for per_rank in gathered:
+        sizes = per_rank[-1].view(counts.shape).tolist() if variable else counts.tolist()
+        split = [list(column.split([row[j] for row in sizes]))
+                 for j, column in enumerate(per_rank[:len(columns)])]
+        for i, reply in enumerate(replies):
+            reply.append([split[j][i].view(messages[i].tensors[j].shape)
+                          if not variable else split[j][i]
+                          for j in range(len(columns))])
+    return replies
 
 
 # names accepted wherever heatlike takes ``codec=``: lower-case, one codec each

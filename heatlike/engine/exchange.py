@@ -55,7 +55,8 @@ class Context:
     counts the exchanges of this key, ``size`` / ``rank`` describe the communicator, ``seed`` is
     common to all ranks (shared random choices). A codec whose result is zero outside some
     positions of ``x`` sets ``support`` to them (a slice, or indices that may repeat), so that the
-    reducer scales only those."""
+    reducer scales only those; ``parts``, where a codec knows them, are the supports of the
+    tensors laid out in ``x`` (over each tensor's own positions; None: anywhere)."""
 
     key: object
     shapes: list[torch.Size]
@@ -65,6 +66,7 @@ class Context:
     seed: int = 0
     state: dict = field(default_factory=dict)
     support: slice | torch.Tensor | None = None
+    parts: list | None = None
 
     def generator(self, salt: int = 0, shared: bool = True) -> torch.Generator:
         """A generator seeded from (seed, key, step, salt), the same on every rank if

@@ -752,14 +752,17 @@ class GradientSync:
         return self.buckets[b].views[i]
 
     def support_of(self, p: torch.nn.Parameter) -> slice | torch.Tensor | None:
-        """Where the last combined value of ``p`` (alone in its bucket) can be nonzero, over
-        ``p.view(-1)``: the slice or indices its codec reported (a sparsifier's selection), or
-        None when it can be anywhere (a dense codec, a non-finite input, a shared bucket)."""
-        b, _ = self._where[id(p)]
+        """Where the last combined value of ``p`` can be nonzero, over ``p.view(-1)``: the
+        slice or indices its codec reported (a sparsifier's selection: the bucket's support when
+        ``p`` is alone in it, else the codec's part for ``p``), or None when it can be anywhere
+        (a dense codec, a non-finite input, a shared bucket whose codec reports no parts)."""
+        b, i = self._where[id(p)]
         ctx = self._contexts.get(b)
-        if ctx is None or len(self.buckets[b].params) != 1 or b not in self._consumed:
+        if ctx is None or b not in self._consumed:
             return None
-        return ctx.support
+        if len(self.buckets[b].params) == 1:
+            return ctx.support
+        return ctx.parts[i] if ctx.parts is not None else None
 
     def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (sorted)."""

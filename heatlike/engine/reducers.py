@@ -137,6 +137,8 @@ class Reducer:
                 out = torch.empty(sum(counts), dtype=t.dtype, device=t.device)
                 yield comm.Iallgatherv(t, (out, counts))
                 parts.append(list(out.split(counts)))
+            elif not t.numel():  # empty on every rank (fixed sizes): nothing to send
+                parts.append([t.clone() for _ in range(comm.size)])
             else:
                 out = torch.empty(comm.size * t.numel(), dtype=t.dtype, device=t.device)
                 yield comm.Iallgather(t, out)
@@ -154,6 +156,8 @@ class Reducer:
             pieces.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
             layout.append((t.dtype, t.shape, raw.numel(), raw.numel() + pad))
         packed = torch.cat(pieces)
+        if not packed.numel():  # every tensor empty, on every rank (fixed sizes): no collective
+            return [[t.clone() for t in tensors] for _ in range(comm.size)]
         out = torch.empty(comm.size * packed.numel(), dtype=torch.uint8, device=packed.device)
         yield comm.Iallgather(packed, out)
         result = []

@@ -5,7 +5,8 @@
 * :class:`CentralizedSparsifiedSGD`: each rank keeps a memory of not yet applied updates
   ``m <- m + lr (g + wd p)``, sends k coordinates of it per tensor (a random block, or random
   coordinates with ``random_sparse``; each rank its own choice, as (index, value) pairs gathered
-  from all ranks), and every rank applies the average of what was sent.
+  from all ranks: every tensor's in one all-gather per bucket, ``heatlike.engine.PerTensor``),
+  and every rank applies the average of what was sent.
 * :class:`SparsifiedSGD`: the same memory and sparsified update with a random block shared by all
   ranks (so only values travel and are summed), plus the weighted average of the iterates of
   Stich et al. (2018), :meth:`~SparsifiedSGD.get_estimated_weights`.
@@ -223,8 +224,10 @@ class CentralizedSparsifiedSGD(_UpdateSync):
         codec = {"random": lambda: codecs.RandomK(k=sparse_grad_size, shared=False),
                  "block": lambda: codecs.RandomBlock(k=sparse_grad_size, shared=False),
                  "topk": lambda: codecs.TopK(k=sparse_grad_size)}[kind]()
+        # k coordinates of each tensor, every tensor's in one all-gather per bucket
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, comm, world_size,
-                         codec, "avg" if average_world else "sum")
+                         codecs.PerTensor(codec), "avg" if average_world else "sum",
+                         bucket_cap_mb=25.0)
         self.sparse_grad_size = sparse_grad_size
         self.random_sparse = random_sparse
         self.average_world = average_world
