@@ -193,6 +193,13 @@ def test_powersgd_low_rank_error_feedback(comm):
     assert residual.abs().sum() > 0  # rank-1 approximation of 12x6 and 3x12 matrices
 
 
+def _memory(opt, p):
+    """A sparsified preset's memory of parameter ``p`` (its codec's residual of that tensor)."""
+    bucket = opt.sync.buckets[opt.sync.buckets_of([p])[0]]
+    i = next(j for j, q in enumerate(bucket.params) if q is p)
+    return opt.sync.codec.state_for(bucket.index)[i]["residual"]
+
+
 def test_sparsified_sgd_memory(comm):
     """SparsifiedSGD: user initialization kept, any shape, lr applied; sent + memory = lr*g."""
     torch.manual_seed(0)
@@ -206,8 +213,7 @@ def test_sparsified_sgd_memory(comm):
     before = [p.detach().clone() for p in params]
     opt.step()
     for b, (p, g) in enumerate(zip(params, grads)):
-        bucket = next(k.index for k in opt.sync.buckets if k.params[0] is p)
-        memory = opt.sync.codec.state_for(bucket)["residual"]
+        memory = _memory(opt, p)
         sent = 0.5 * g.reshape(-1) - memory
         assert int((sent != 0).sum()) == min(4, p.numel())
         total = sent.clone()
@@ -307,7 +313,7 @@ def test_sparsified_updates_touch_only_their_coordinates(comm, random_sparse):
     w.grad = g.clone()
     opt.step()
     assert opt.sync.support_of(w) is not None, "the update's support is not used"
-    memory = opt.sync.codec.state_for(0)[0]["residual"]
+    memory = _memory(opt, w)
     sent = 0.5 * g - memory
     total = sent.clone()
     comm.Allreduce(hl.IN_PLACE, total)

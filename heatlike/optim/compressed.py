@@ -282,8 +282,10 @@ class SparsifiedSGD(_UpdateSync):
                                          sparse_grad_size), comm)
         codec = (codecs.RandomK(k=sparse_grad_size) if random_sparse else
                  codecs.RandomBlock(k=sparse_grad_size))
-        super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, comm, None, codec,
-                         "avg")
+        # k coordinates of each tensor, every tensor's in one all-reduce per bucket
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay}, comm, None,
+                         codecs.PerTensor(codec), "avg", bucket_cap_mb=25.0)
+        self._drawn: dict[int, int] = {}  # bucket -> exchange count drawn by sparsify_gradients
         self.sparse_grad_size = sparse_grad_size
         self.num_coordinates = sparse_grad_size  # mlbench's name
         self.random_sparse = random_sparse
@@ -302,9 +304,11 @@ class SparsifiedSGD(_UpdateSync):
         loss, skip = self._open_step(closure)
         if skip:
             self._sparsified = False
+            self._drawn.clear()
             return loss
         if self._sparsified:
             self._sparsified = False
+            self._drawn.clear()
             for _, p in self._synced():
                 p.sub_(p.grad)
             track(tracker, "opt_step")
@@ -323,28 +327,28 @@ class SparsifiedSGD(_UpdateSync):
         value), mlbench's layouts over ``param.view(-1)``: a block as a ``(1, 1 + k)`` tensor
         ``[start, values...]``, random coordinates as a ``(2, k)`` tensor ``[indices; values]``.
         The memory is the one ``step()`` uses, and is in :meth:`state_dict`."""
-        buckets = self.sync.buckets_of([param])
-        if not buckets:
+        if not self.sync.buckets_of([param]):
             raise ValueError("sparsify_gradients: the parameter is not one this optimizer "
                              "synchronizes")
-        b = buckets[0]
+        b, i = self.sync._where[id(param)]
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         n = param.numel()
         update = torch.zeros(n, dtype=param.dtype, device=param.device) if param.grad is None \
             else dense(param.grad).reshape(-1).to(param.dtype)
         if group["weight_decay"]:
             update = update.add(param.reshape(-1), alpha=group["weight_decay"])
-        state = self.sync.codec.state_for(b)
+        state = self.sync.codec.state_for(b).setdefault(i, {})  # PerTensor's, of tensor i
         memory = state.get("residual")
         total = update.mul(lr) if memory is None or memory.shape != (n,) else \
             memory.add(update, alpha=lr)
-        # the choice the engine's next exchange of this tensor would make (its counter, saved in
-        # the engine's state, advances as if it had run)
-        step = self.sync._exchanges[b]
-        self.sync._exchanges[b] = step + 1
-        ctx = Context(key=b, shapes=[param.shape], size=self.comm.size, rank=self.comm.rank,
-                      step=step, seed=self.sync.seed)
-        codec = self.sync.codec
+        # the choice the engine's next exchange of this tensor's bucket would make (its
+        # counter, saved in the engine's state, advances once per step, as if it had run)
+        if b not in self._drawn:
+            self._drawn[b] = self.sync._exchanges[b]
+            self.sync._exchanges[b] += 1
+        ctx = Context(key=(b, i), shapes=[param.shape], size=self.comm.size,
+                      rank=self.comm.rank, step=self._drawn[b], seed=self.sync.seed)
+        codec = self.sync.codec.inner
         k = min(self.sparse_grad_size, n)
         chosen = codec._select(n, k, ctx.generator(shared=codec.shared), param.device)
         values = total[chosen].to(torch.float64)
