@@ -84,12 +84,14 @@ def test_primitives_by_hand(monkeypatch):
         7 * (across + o) + 2 * (inside + o) + across + o)
     assert cm.engine_allreduce(1e5, lay, costly) == pytest.approx(
         cm.library_allreduce(1e5, lay, LINKS) + o)
-    # the engine's all-reduce: that from 1 MiB on over full nodes; the library's below it, on
-    # one node or partial nodes, and with HEATLIKE_NODE_AWARE=0
-    assert cm.engine_allreduce(n, lay, LINKS) == cm.hierarchical_allreduce(n, lay, LINKS)
+    # the engine's all-reduce: that from the node-aware threshold (8 MiB) on over full nodes;
+    # the library's below it, on one node or partial nodes, and with HEATLIKE_NODE_AWARE=0
+    big = 2 * n
+    assert cm.engine_allreduce(big, lay, LINKS) == cm.hierarchical_allreduce(big, lay, LINKS)
+    assert cm.engine_allreduce(n, lay, LINKS) == cm.library_allreduce(n, lay, LINKS)
     assert cm.engine_allreduce(1e5, lay, LINKS) == cm.library_allreduce(1e5, lay, LINKS)
     for other in (cm.Layout(4, 4), cm.Layout(6, 4)):
-        assert cm.engine_allreduce(n, other, LINKS) == cm.library_allreduce(n, other, LINKS)
+        assert cm.engine_allreduce(big, other, LINKS) == cm.library_allreduce(big, other, LINKS)
     # recursive halving + doubling: 2 ceil(log2 p) alpha + 2 (p-1)/p n beta
     assert cm.halving_allreduce(n, 8, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 7 / 8 * n * 1e-9)
     assert cm.halving_allreduce(n, 6, CROSS) == pytest.approx(2 * 3 * 5e-6 + 2 * 5 / 6 * n * 1e-9)
@@ -135,7 +137,7 @@ def test_algorithm_models_by_hand(monkeypatch):
     assert cm.comm_time("decentralized", shapes, lay, LINKS) == pytest.approx(
         2 * (5e-6 + 4 * m * 1e-9))
     hier = 2 * (3 * (2e-6 + 4 * m / 4 * 1e-10)) + 2 * 1 * 5e-6 + 2 * 1 / 2 * 4 * m * 1e-9
-    # under the node-aware threshold (1 MiB) the library's all-reduce, like the reducer
+    # under the node-aware threshold (8 MiB) the library's all-reduce, like the reducer
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(ring(4 * m))
     monkeypatch.setenv("HEATLIKE_NODE_AWARE_MIN_KB", "0")
     assert cm.comm_time("hierarchical", shapes, lay, LINKS) == pytest.approx(hier)

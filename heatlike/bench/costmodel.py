@@ -43,7 +43,7 @@ Primitives, for n bytes per rank on p ranks over link (alpha, beta):
   phase on chunks of c bytes (1 MiB) in a pipeline: the slowest phase's time for every chunk
   but one plus the three phases of one chunk;
 * the engine's all-reduce (every preset that sums): the hierarchical all-reduce on several full
-  nodes of more than one rank from 1 MiB on, the library's otherwise;
+  nodes of more than one rank from the node-aware threshold on (8 MiB), the library's otherwise;
 * neighbor exchange of n bytes with d neighbors: ``d (alpha + n beta)``.
 
 Per algorithm, with m parameters (float32, 4m bytes), matrices ``a_i x b_i`` (tensors of more
@@ -56,7 +56,7 @@ DistOpt fused)
 bf16 cast, FP16Optimizer, DistOpt      all-reduce of 2m (bf16 cast on several equal
 half                                   nodes: hierarchical all-reduce of 2m)
 hierarchical                           hierarchical all-reduce of 4m (the library's
-                                       under the node-aware threshold, 1 MiB)
+                                       under the node-aware threshold, 8 MiB)
 PowerSGD rank r                        all-reduce of ``4 (r sum a_i + m_1)`` then of
                                        ``4 r sum b_i``
 top-k ratio q (also DistOpt sparse)    all-gather of ``8 ceil(q m)`` (index and value)
