@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..core.buffer_pool import pool as buffer_pool
+from .buckets import pack, unpack
 from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["all_finite", "Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock",
@@ -739,14 +740,18 @@ class PerTensor(Codec):
                         for run, m, reply in zip(runs, messages, replies)]
         parts = [sub.support for _, sub in pieces]
         ctx.parts = parts
-        union = [torch.arange(part.start, part.stop, device=x.device) if support is None else
-                 torch.arange(part.start + support.start, part.start + support.stop,
-                              device=x.device) if isinstance(support, slice) else
-                 support.to(torch.int64) + part.start
-                 for (part, _), support in zip(pieces, parts)]
+        sizes = [part.stop - part.start if support is None else
+                 support.stop - support.start if isinstance(support, slice) else
+                 support.numel() for (part, _), support in zip(pieces, parts)]
         # scaling a few positions by index beats a pass over x only while they are few
-        few = union and 8 * sum(u.numel() for u in union) < x.numel()
-        ctx.support = torch.cat(union) if few else None
+        if not pieces or 8 * sum(sizes) >= x.numel():
+            ctx.support = None
+            return
+        ctx.support = torch.cat([
+            torch.arange(part.start, part.stop, device=x.device) if support is None else
+            torch.arange(part.start + support.start, part.start + support.stop, device=x.device)
+            if isinstance(support, slice) else support.to(torch.int64) + part.start
+            for (part, _), support in zip(pieces, parts)])
 
 
 def _resumed(run: Rounds, reply) -> Sum | Gather | None:
@@ -757,15 +762,12 @@ def _resumed(run: Rounds, reply) -> Sum | Gather | None:
 
 
 def _summed_together(messages: list[Sum]):
-    """One Sum of the messages' tensors concatenated; each tensor then holds its part."""
-    flat = torch.cat([m.tensor.reshape(-1) for m in messages])
+    """One Sum of the messages' tensors packed; each tensor then holds its part."""
+    tensors = [m.tensor for m in messages]
+    flat = pack(tensors)
     yield Sum(flat)
-    offset = 0
-    for m in messages:
-        n = m.tensor.numel()
-        m.tensor.copy_(flat[offset:offset + n].view(m.tensor.shape))
-        offset += n
-    return [m.tensor for m in messages]
+    unpack(flat, tensors)
+    return tensors
 
 
 def _gathered_together(messages: list[Gather]):
