@@ -324,3 +324,66 @@ def test_point_to_point_is_not_counted_as_a_collective(comm):
         step()
         after = c.handle.allgather(c._hub.board.seq)
         assert after[0] > before and after == [after[0]] * c.size
+
+
+def test_conjugate_and_negative_views_are_sent_and_received_as_they_read(comm):
+    """``x.conj()`` and ``torch._neg_view(x)`` are lazy views: their memory holds x, not what they
+    read. Sent, they carry the values they read; received into, they read the message (before,
+    the memory was sent as it is: conjugates arrived unconjugated)."""
+    rank, size = comm.rank, comm.size
+    x = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (rank + 1)
+    total = sum(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (r + 1)
+                for r in range(size))
+    out = torch.zeros(2, dtype=torch.complex64)
+    comm.Allreduce(x.conj(), out)
+    assert torch.equal(out, total.conj())
+    out = torch.zeros(2, dtype=torch.complex64)
+    comm.Iallreduce(x.conj(), out).Wait()
+    assert torch.equal(out, total.conj())
+    real = torch.tensor([1.0, 2.0]) * (rank + 1)
+    summed = torch.zeros(2)
+    comm.Allreduce(torch._neg_view(real), summed)
+    assert summed.tolist() == [-s for s in (torch.tensor([1.0, 2.0]) * sum(range(1, size + 1)))
+                               .tolist()]
+    gathered = torch.zeros(2 * size, dtype=torch.complex64)
+    comm.Allgather(x.conj(), gathered)
+    assert torch.equal(gathered, torch.cat([torch.tensor([1 + 2j, 3 - 1j],
+                                                         dtype=torch.complex64) * (r + 1)
+                                            for r in range(size)]).conj())
+    into = torch.zeros(2, dtype=torch.complex64)
+    view = into.conj()
+    comm.Allreduce(x, view)  # the view reads the sum, its memory holds the conjugate
+    assert torch.equal(view, total) and torch.equal(into, total.conj())
+
+
+def test_a_shorter_message_leaves_the_rest_of_a_strided_buffer_alone(comm):
+    """A receive of fewer elements than the buffer holds writes only those, contiguous or
+    strided, blocking or not, and a blocking Recv fills its status with checks on too (before,
+    a strided buffer's other elements were overwritten with uninitialized memory, and with
+    ``HEATLIKE_CHECK`` the status stayed empty)."""
+    from heatlike.core import checks
+
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for checked in (False, True):
+        for blocking in (True, False):
+            base = torch.full((16,), -7.0)
+            view = base[::2]
+            send = torch.arange(3.0) + 10 * left
+            status = MPI.Status()
+            old = checks.checking()
+            checks.set_check(checked)
+            try:
+                sent = comm.Isend(torch.arange(3.0) + 10 * comm.rank, dest=right, tag=9)
+                if blocking:
+                    comm.Recv(view, source=left, tag=9, status=status)
+                else:
+                    comm.Irecv(view, source=left, tag=9).Wait(status)
+                sent.Wait()
+            finally:
+                checks.set_check(old)
+            assert view.tolist() == [*send.tolist(), *[-7.0] * 5], (checked, blocking)
+            assert (base[1::2] == -7).all()
+            assert (status.Get_source(), status.Get_tag(), status.Get_count(MPI.FLOAT)) == \
+                (left, 9, 3), (checked, blocking)
+    with pytest.raises(TypeError, match="pass it to the request's Wait"):
+        comm.Irecv(torch.zeros(2), source=left, tag=9, status=MPI.Status())

@@ -221,3 +221,54 @@ def test_any_error_in_a_rooted_collectives_checks_reaches_every_rank(comm, monke
     assert ("broken root check" in text) if comm.rank == last else f"rank(s) [{last}]" in text
     assert (recv == -1).all()
     _still_in_step(comm)
+
+
+@pytest.mark.parametrize("name", ["Gather", "Gatherv", "Scatter", "Scatterv", "Reduce",
+                                  "Igatherv", "Iscatterv"])
+@pytest.mark.parametrize("delta", [1, -1])
+def test_a_rank_whose_buffer_differs_from_the_roots_counts_raises_everywhere(comm, name, delta):
+    """Root 0 expects 2 elements of (or for) every rank; the last rank's buffer holds 2 + delta.
+    Every rank raises a ValueError naming that rank and both counts, nothing is received (before,
+    one more element was "Message truncated" on one rank only, one fewer went unnoticed: the
+    root kept a stale value)."""
+    if comm.size == 1:
+        pytest.skip("a rank's count can only differ from the root's with a second rank")
+    last, root, size = comm.size - 1, 0, comm.size
+    n = 2 + delta if comm.rank == last else 2
+    mine = torch.full((n,), -1.0) if "catter" in name else torch.full((n,), float(comm.rank))
+    whole = torch.full((2 * size,), -1.0) if comm.rank == root else None
+    calls = {
+        "Gather": lambda: comm.Gather(mine, whole, root=root),
+        "Gatherv": lambda: comm.Gatherv(mine, (whole, [2] * size), root=root),
+        "Igatherv": lambda: comm.Igatherv(mine, (whole, [2] * size), root=root).Wait(),
+        "Scatter": lambda: comm.Scatter(torch.arange(2.0 * size), mine, root=root),
+        "Scatterv": lambda: comm.Scatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                          root=root),
+        "Iscatterv": lambda: comm.Iscatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                            root=root).Wait(),
+        "Reduce": lambda: comm.Reduce(mine, torch.full((2,), -1.0) if comm.rank == root
+                                      else None, MPI.SUM, root=root),
+    }
+    with pytest.raises(ValueError) as info:
+        calls[name]()
+    text = str(info.value)
+    assert f"rank {last}: {2 + delta} (root expects 2)" in text and "nothing was sent" in text, \
+        text
+    if "catter" in name:
+        assert (mine == -1).all()
+    if whole is not None:
+        assert (whole == -1).all()
+    _still_in_step(comm)
+
+
+def test_a_rank_whose_dtype_differs_from_the_roots_raises_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("a rank's dtype can only differ from the root's with a second rank")
+    last = comm.size - 1
+    send = torch.ones(2, dtype=torch.float64 if comm.rank == last else torch.float32)
+    recv = torch.full((2,), -1.0) if comm.rank == 0 else None
+    with pytest.raises(ValueError, match=rf"rank\(s\) \[{last}\] pass a buffer of another dtype"):
+        comm.Reduce(send, recv, MPI.SUM, root=0)
+    if recv is not None:
+        assert (recv == -1).all()
+    _still_in_step(comm)

@@ -87,6 +87,9 @@ def as_tensor(obj: object, arg: str, write: bool = False) -> tuple[torch.Tensor,
         t = obj.detach() if obj.requires_grad else obj
         if write:
             _check_writable_strides(t, arg)
+        if t.is_conj() or t.is_neg():  # a lazy view: its memory holds other values than it shows
+            plain = t.resolve_conj().resolve_neg()
+            return plain, ((lambda: t.copy_(plain)) if write else None)
         return t, None
     if isinstance(obj, np.ndarray):
         return _numpy_as_tensor(obj, arg, write)
@@ -262,7 +265,8 @@ def direct(obj: object, write: bool) -> tuple[MPI.buffer, int, torch.dtype] | No
     "take the general path" (which also produces the error messages)."""
     tp = type(obj)
     if tp is _Tensor:
-        if _stage_all or obj.is_cuda or not obj.is_contiguous():
+        if _stage_all or obj.is_cuda or not obj.is_contiguous() or obj.is_conj() or \
+                obj.is_neg():
             return None
         return _fromaddress(obj.data_ptr(), obj.nbytes), obj.numel(), obj.dtype
     if tp is _ndarray:

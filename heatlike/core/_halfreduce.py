@@ -23,9 +23,10 @@ bit patterns. heatlike computes every half-type reduction with one rounding at t
 SUM and PROD accumulate in float32; MIN and MAX are exact in any precision. User-defined ops run
 on the float32 values.
 
-All functions here take contiguous tensors in MPI-accessible memory (the caller packs and stages)
-and are operation generators (see ``_requests``). Every tensor whose address is handed to MPI is
-held by a local variable until the phase that uses it has completed.
+All functions here take contiguous tensors of any shape in MPI-accessible memory (the caller packs
+and stages; blocks are counted in elements of the flattened buffers) and are operation generators
+(see ``_requests``). Every tensor whose address is handed to MPI is held by a local variable until
+the phase that uses it has completed.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def allreduce(comm: MPI.Intracomm, src: torch.Tensor | None, dst: torch.Tensor, 
               blocking: bool, phases: bool = True) -> Operation:
     """``dst = op(src over ranks)``; ``src=None`` means in place (the input is ``dst``).
     ``phases=False`` forbids the multi-phase route (see ``MPICommunication.Dup(serial=...)``)."""
-    x = dst if src is None else src
+    dst = dst.view(-1)  # blocks are counted in elements, whatever the buffers' shapes
+    x = dst if src is None else src.view(-1)
     n, size = x.numel(), comm.Get_size()
     if not phases or not _wire_route(op, n, size):
         yield from _float32_allreduce(comm, x, dst, op, blocking)
@@ -105,7 +107,9 @@ def reduce(comm: MPI.Intracomm, src: torch.Tensor | None, dst: torch.Tensor | No
            root: int, blocking: bool, phases: bool = True) -> Operation:
     """``dst = op(src over ranks)`` at ``root``; ``dst`` is None on other ranks, ``src`` None at
     the root means in place. ``phases=False`` forbids the multi-phase route."""
-    x = dst if src is None else src
+    if dst is not None:
+        dst = dst.view(-1)  # blocks are counted in elements, whatever the buffers' shapes
+    x = dst if src is None else src.view(-1)
     n, size = x.numel(), comm.Get_size()
     is_root = comm.Get_rank() == root
     h = size * (n // size) if phases and _wire_route(op, n, size) else 0
@@ -127,6 +131,7 @@ def reduce_scatter(comm: MPI.Intracomm, src: torch.Tensor, dst: torch.Tensor,
                    counts: list[int], op: MPI.Op, blocking: bool) -> Operation:
     """``dst`` = this rank's block (``counts[rank]`` elements) of ``op(src over ranks)``."""
     size, rank = comm.Get_size(), comm.Get_rank()
+    src, dst = src.view(-1), dst.view(-1)
     if not _wire_route(op, src.numel(), size):
         acc = src.float()
         out = torch.empty(counts[rank], dtype=torch.float32, device=src.device)

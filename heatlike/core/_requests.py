@@ -116,9 +116,14 @@ class Request:
 
     def __del__(self) -> None:
         if getattr(self, "_req", None) is not None:
-            warnings.warn("heatlike Request dropped before completion; its buffers may still be "
-                          "in use by MPI. Call Wait() or wait_all().", ResourceWarning,
+            warnings.warn("heatlike Request dropped before completion: it is kept, with the "
+                          "buffers MPI still uses, and completed by later waits or at the end "
+                          "of the program. Call Wait() or wait_all().", ResourceWarning,
                           stacklevel=2)
+            # freeing its temporaries now would let MPI write into memory reused by others
+            adopt = getattr(_checks, "adopt", None)  # None at interpreter shutdown
+            if adopt is not None:
+                adopt([self])
 
 
 def wait_all(requests: Iterable[Request | None]) -> None:

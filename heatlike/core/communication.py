@@ -212,7 +212,8 @@ def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
     produces every error message. This is the hot path of small all-reduces, written out so that
     it costs about a microsecond."""
     if type(recvbuf) is _Tensor and not _buffers._stage_all:
-        if type(op) is not _Op or not recvbuf.is_cpu or not recvbuf.is_contiguous():
+        if type(op) is not _Op or not recvbuf.is_cpu or not recvbuf.is_contiguous() or \
+                recvbuf.is_conj() or recvbuf.is_neg():
             return None
         table = _DIRECT_TYPES.get(op.py2f())
         dtype = recvbuf.dtype
@@ -223,7 +224,8 @@ def _direct_reduction(sendbuf, recvbuf, op: MPI.Op) -> tuple | None:
         if sendbuf is IN_PLACE:
             return IN_PLACE, [_fromaddress(rp, nbytes), n, mtype]
         if (type(sendbuf) is not _Tensor or not sendbuf.is_cpu or sendbuf.dtype is not dtype
-                or sendbuf.numel() != n or not sendbuf.is_contiguous()):
+                or sendbuf.numel() != n or not sendbuf.is_contiguous() or sendbuf.is_conj()
+                or sendbuf.is_neg()):
             return None
         sp = sendbuf.data_ptr()
         if n and sp < rp + nbytes and rp < sp + nbytes:
@@ -467,6 +469,22 @@ def unfreed_communicators() -> int:
     return len(_UNFREED)
 
 
+def _blocks(whole: torch.Tensor | None, size: int) -> list[int] | None:
+    """The equal blocks of a root's ``whole`` buffer (None elsewhere), in elements."""
+    return None if whole is None else [whole.numel() // size] * size
+
+
+def _rooted_layout(is_root: bool, own: torch.Tensor | None, whole: torch.Tensor | None,
+                   counts: list[int] | None, root: int = 0) -> tuple:
+    """``MPICommunication._agreed``'s layout of a rooted collective: ``own`` is the buffer this
+    rank sends or receives (None: ``IN_PLACE`` at the root, whose part is ``counts[root]``),
+    ``whole`` the root's buffer of every rank's part, ``counts`` (at the root) the element
+    count the root's arguments give each rank."""
+    if own is None:
+        return counts[root], whole.dtype, counts
+    return own.numel(), own.dtype, counts if is_root else None
+
+
 # ---------------------------------------------------------------------------- method factories
 
 
@@ -506,7 +524,8 @@ def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, b
         _requests.settled = settled
     if not blocking:
         return request
-    request.Wait()
+    # a blocking Recv's status is filled by the wait of the non-blocking form run here
+    request.Wait(kwargs.get("status", args[3] if name == "Recv" and len(args) > 3 else None))
     return None
 
 
@@ -817,34 +836,68 @@ class MPICommunication:
                 _no_alias(*((full, mine) if own_write else (mine, full)), name)
         return root, is_root, mine, mine_back, full, full_back, counts, displs
 
-    def _agreed(self, name: str, check: Callable[[], tuple]) -> tuple:
+    def _agreed(self, name: str, check: Callable[[], tuple],
+                layout: Callable[[tuple], tuple]) -> tuple:
         """``check()``, the argument checks of a rooted collective, with their verdict shared
         before anything is sent. Some of those checks only one rank can make (the root's counts,
-        displacements and buffers; a rank's own receive buffer), so a failure would otherwise
-        raise on that rank alone and leave the others waiting in the collective. The ranks
-        all-gather one byte each (a collective of its own, waited for at the call even in the
-        non-blocking forms, so every rank issues its collectives in the program's order); a rank
-        whose checks failed raises its error, every other rank a ValueError (TypeError, or
-        RuntimeError for any other exception, where that was the first failing rank's error)
-        naming the ranks that failed."""
+        displacements and buffers; a rank's own receive buffer), and whether a rank's buffer
+        matches what the root expects of it needs both, so a failure would otherwise raise on
+        one rank alone and leave the others waiting in the collective, or move the wrong number
+        of elements without an error anywhere (a rank sending fewer than the root's count).
+
+        ``layout(result)`` gives ``(own, dtype, expected)``: the element count this rank sends
+        or receives, its dtype, and at the root the count it expects of every rank (None
+        elsewhere). With P ranks the ranks sum one vector of 4P integers (a collective of its
+        own, waited for at the call even in the non-blocking forms, so every rank issues its
+        collectives in the program's order): slot r holds rank r's verdict, P + r its count,
+        2P + r its count less the root's expectation and 3P + r its dtype's code less the
+        root's. A rank whose checks failed raises its error, every other rank a ValueError
+        (TypeError, or RuntimeError for any other exception, where that was the first failing
+        rank's error) naming the ranks that failed; buffers that differ from the root's
+        expectation raise ValueError on every rank, naming each such rank and its count."""
         error = None
         try:
             result = check()
+            own, dtype, expected = layout(result)
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         if self.size > 1:
-            code = 0 if error is None else 1 if isinstance(error, ValueError) else \
+            size, rank = self.size, self.rank
+            mine = np.zeros(4 * size, dtype=np.int64)
+            mine[rank] = 0 if error is None else 1 if isinstance(error, ValueError) else \
                 2 if isinstance(error, TypeError) else 3
-            mine = np.array([code], dtype=np.int8)
-            verdicts = np.empty(self.size, dtype=np.int8)
-            _checks.wait(self.handle.Iallgather([mine, MPI.INT8_T], [verdicts, MPI.INT8_T]),
+            if error is None:
+                code = _checks.dtype_code(dtype)
+                mine[size + rank] = own
+                mine[2 * size + rank] += own
+                mine[3 * size + rank] += code
+                if expected is not None:
+                    mine[2 * size:3 * size] -= np.asarray(expected, dtype=np.int64)
+                    mine[3 * size:] -= code
+            total = np.empty_like(mine)
+            _checks.wait(self.handle.Iallreduce([mine, MPI.INT64_T], [total, MPI.INT64_T],
+                                                MPI.SUM),
                          lambda: f"{name}'s argument check on {self._name}")
+            verdicts = total[:size]
             failed = np.flatnonzero(verdicts).tolist()
             if failed and error is None:
                 kind = {1: ValueError, 2: TypeError}.get(int(verdicts[failed[0]]), RuntimeError)
                 raise kind(f"{name} on {self._name}: the arguments of rank(s) {failed} were "
                            "rejected there (the reason is raised on those ranks); nothing was "
                            "sent")
+            if error is None:
+                counts, gaps, kinds = (total[k * size:(k + 1) * size] for k in (1, 2, 3))
+                wrong = np.flatnonzero(gaps).tolist()
+                if wrong:
+                    said = ", ".join(f"rank {r}: {int(counts[r])} (root expects "
+                                     f"{int(counts[r] - gaps[r])})" for r in wrong[:5])
+                    raise ValueError(f"{name} on {self._name}: the ranks' buffers do not hold "
+                                     f"the element counts the root's arguments give them: "
+                                     f"{said}{' ...' if len(wrong) > 5 else ''}; nothing was sent")
+                mixed = np.flatnonzero(kinds).tolist()
+                if mixed:
+                    raise ValueError(f"{name} on {self._name}: rank(s) {mixed[:5]} pass a "
+                                     "buffer of another dtype than the root's; nothing was sent")
         if error is not None:
             raise error
         return result
@@ -991,8 +1044,11 @@ class MPICommunication:
               status: MPI.Status | None = None, *, blocking: bool) -> Operation:
         """Receive into ``buf`` (for the non-blocking form pass ``status`` to ``Wait``)."""
         source = self._check_peer(source, "source", any_ok=True)
+        if status is not None and not blocking and not _requests.settled:
+            raise TypeError("Irecv takes no status: pass it to the request's Wait() or Test()")
         t, back = as_tensor(buf, "buf", write=True)
-        dst, fin = writable(t, back)
+        # a message may be shorter than the buffer: what it does not cover keeps its contents
+        dst, fin = writable(t, back, keep_contents=True)
         sync_devices(t)
         if blocking:
             self.handle.Recv(spec(dst), source, tag, status)
@@ -1011,7 +1067,7 @@ class MPICommunication:
         r, back = as_tensor(recvbuf, "recvbuf", write=True)
         _no_alias(s, r, "Sendrecv")
         src = readable(s)
-        dst, fin = writable(r, back)
+        dst, fin = writable(r, back, keep_contents=True)  # a shorter message: as Recv
         sync_devices(s, r)
         self.handle.Sendrecv(spec(src), dest, sendtag, spec(dst), source, recvtag, status)
         if fin is not None:
@@ -1058,7 +1114,11 @@ class MPICommunication:
             reduction_type((recv_ if send_ is None else send_).dtype, op)
             return root_, is_root_, send_, recv_, back_
 
-        root, is_root, send, recv, back = self._agreed("Reduce", check) if _agree else check()
+        def layout(c: tuple) -> tuple:  # every rank sends as many elements as the root receives
+            return _rooted_layout(c[1], c[2], c[3], _blocks(c[3], 1) * self.size if c[1] else None)
+
+        root, is_root, send, recv, back = self._agreed("Reduce", check, layout) if _agree \
+            else check()
         op = mpi_op((recv if send is None else send).dtype, op)
         if _one_rank_local(self, send, recv, back):
             return
@@ -1412,7 +1472,8 @@ class MPICommunication:
                     _no_alias(send_, recv_, "Gather")
             return root_, is_root_, send_, recv_, back_
 
-        root, is_root, send, recv, back = self._agreed("Gather", check)
+        root, is_root, send, recv, back = self._agreed(
+            "Gather", check, lambda c: _rooted_layout(c[1], c[2], c[3], _blocks(c[3], size)))
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1435,7 +1496,8 @@ class MPICommunication:
                 "Gatherv", root, sendbuf, "sendbuf", recvbuf, "recvbuf", axis, recv_axis)
             return root_, is_root_, send_, recv_, back_, counts_, displs_
 
-        root, is_root, send, recv, back, counts, displs = self._agreed("Gatherv", check)
+        root, is_root, send, recv, back, counts, displs = self._agreed(
+            "Gatherv", check, lambda c: _rooted_layout(c[1], c[2], c[3], c[5], c[0]))
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1475,7 +1537,8 @@ class MPICommunication:
                     _no_alias(send_, recv_, "Scatter")
             return is_root_, send_, recv_, back_, root_
 
-        is_root, send, recv, back, root = self._agreed("Scatter", check)
+        is_root, send, recv, back, root = self._agreed(
+            "Scatter", check, lambda c: _rooted_layout(c[0], c[2], c[1], _blocks(c[1], size)))
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:
@@ -1497,7 +1560,8 @@ class MPICommunication:
                 "Scatterv", root, recvbuf, "recvbuf", sendbuf, "sendbuf", axis, recv_axis)
             return root_, is_root_, send_, recv_, back_, counts_, displs_
 
-        root, is_root, send, recv, back, counts, displs = self._agreed("Scatterv", check)
+        root, is_root, send, recv, back, counts, displs = self._agreed(
+            "Scatterv", check, lambda c: _rooted_layout(c[1], c[3], c[2], c[5], c[0]))
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:
