@@ -4,6 +4,9 @@ model a single process gets with the combined batch, or raise a clear error, on 
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -78,6 +81,20 @@ def _assert_close(net, ref, what: str) -> None:
     for (name, a), b in zip(net.named_parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), \
             f"{what}: {name} off by {(a - b).abs().max().item():.3g}"
+
+
+def _step_both(comm, step: int, model, opt, ref, ref_opt, zero=None) -> None:
+    """One training step of the data-parallel model (``zero``: how its gradients are reset,
+    default ``opt.zero_grad``) and of the one-process reference on the ranks' batches
+    concatenated."""
+    (zero or opt.zero_grad)()
+    ref_opt.zero_grad()
+    x, y = _data(step, comm.rank)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    xs, ys = zip(*[_data(step, r) for r in range(comm.size)])
+    nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
+    ref_opt.step()
 
 
 MODES = [pytest.param(True, id="blocking"), pytest.param(False, id="non-blocking")]
@@ -220,14 +237,7 @@ def test_every_lr_scheduler_changes_the_rate_the_update_uses(comm, blocking):
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
         ref_sched = make(ref_opt)
         for step in range(STEPS):
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            x, y = _data(step, comm.rank)
-            nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            xs, ys = zip(*[_data(step, r) for r in range(comm.size)])
-            nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys)).backward()
-            ref_opt.step()
+            _step_both(comm, step, model, opt, ref, ref_opt)
             if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
                 sched.step(1.0)
                 ref_sched.step(1.0)
@@ -282,7 +292,6 @@ def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
     module a wrapper holds give plain modules with the module's current weights, whose forward
     passes leave the wrapper alone (a non-blocking update still pending stays pending: flush()
     first to copy it too), on every rank."""
-    import copy
     import io
 
     from heatlike.nn import DataParallelMultiGPU
@@ -323,3 +332,170 @@ def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
     if pending:  # the update in flight lands in the wrapped module, not in the copies
         model.flush()
         assert not all(torch.equal(a, b) for a, b in zip(net.parameters(), weights))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wrapper", ["blocking", "non-blocking", "daso", "distopt"])
+def test_a_parameter_frozen_when_wrapped_and_unfrozen_later_raises_on_every_rank(comm, wrapper):
+    """Fine-tuning's "freeze, wrap, unfreeze": a parameter that did not require gradients at
+    construction is not synchronized, so its update would use each rank's own gradient (the
+    replicas drifted apart in blocking mode; non-blocking never moved it). The next step raises
+    on every rank, saying what to do."""
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO, DistOpt
+
+    net = _net()
+    net[0].weight.requires_grad_(False)
+    sgd = torch.optim.SGD(net.parameters(), lr=LR)
+    if wrapper == "daso":
+        opt = DASO(sgd, total_epochs=3, comm=comm, warmup_epochs=1, cooldown_epochs=1)
+        model = DataParallelMultiGPU(net, opt)
+        opt.last_batch = 4
+    elif wrapper == "distopt":
+        opt, model = DistOpt(sgd, comm), net
+    else:
+        opt = DataParallelOptimizer(sgd, blocking=wrapper == "blocking")
+        model = DataParallel(net, comm, optimizer=opt)
+
+    def step(i):
+        opt.zero_grad()
+        x, y = _data(i, comm.rank)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if wrapper == "distopt":
+            opt.backward_and_update(loss)
+        else:
+            loss.backward()
+            opt.step()
+
+    step(0)
+    net[0].weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"did not require gradients when .* was built.*"
+                                           r"requires gradients now"):
+        step(1)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+def test_a_tensor_learning_rate_changed_by_a_scheduler_applies_to_its_own_step(comm, blocking):
+    """``lr=torch.tensor(...)``: schedulers change the tensor in place. A deferred update uses
+    the rate of the step() that scheduled it, as the blocking one does (it used the next
+    step's rate: 0.036 off after 5 steps)."""
+    net, ref = _net(), _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=torch.tensor(LR),
+                                                momentum=0.9), blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=torch.tensor(LR), momentum=0.9)
+    scheds = [_schedule(opt), _schedule(ref_opt)]
+    for step in range(STEPS):
+        _step_both(comm, step, model, opt, ref, ref_opt)
+        for sched in scheds:
+            sched.step()
+    model.flush()
+    _assert_close(net, ref, "tensor lr")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+@pytest.mark.parametrize("into", ["module", "wrapper"])
+def test_loading_weights_after_step_gives_the_loaded_weights(comm, blocking, into):
+    """Roll back to a saved state with torch's own calls (``load_state_dict`` of the module or
+    of the wrapper, then of the optimizer) while a non-blocking update is pending: the loaded
+    values are what the model holds, as after a blocking step (the pending update landed on
+    top of them; through the wrapper it raised a misleading "during a backward pass")."""
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    target = model if into == "wrapper" else net
+
+    def step(i):
+        opt.zero_grad()
+        x, y = _data(i, comm.rank)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    step(0)
+    saved = copy.deepcopy(target.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    step(1)
+    target.load_state_dict(saved)
+    opt.load_state_dict(saved_opt)
+    for name, value in target.state_dict().items():
+        if torch.is_tensor(value):
+            assert torch.equal(value, saved[name]), name
+    step(2)  # and training goes on from there
+    model.flush()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_of_the_module_while_an_update_is_pending(comm, set_to_none):
+    """Non-blocking: the wrapper's ``zero_grad`` (DDP users' ``model.zero_grad()``) resets the
+    gradients once the pending update is applied, giving the one-process model; the wrapped
+    module's own ``zero_grad`` would lose averages in flight (or zero them mid-sum) and raises
+    on every rank instead (before: accumulated gradients or replicas that drift apart)."""
+    for target in ("wrapper", "module"):
+        net = _net()
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                    blocking=False)
+        model = DataParallel(net, comm, optimizer=opt)
+        ref = _net()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+        zero = functools.partial(model.zero_grad if target == "wrapper" else net.zero_grad,
+                                 set_to_none=set_to_none)
+        for step in range(STEPS):
+            x, y = _data(step, comm.rank)
+            if target == "module" and step == 1 and comm.size > 1:
+                zero()
+                with pytest.raises(RuntimeError, match="were reset or changed after step"):
+                    model(x)
+                break
+            _step_both(comm, step, model, opt, ref, ref_opt, zero=zero)
+        else:
+            model.flush()
+            _assert_close(net, ref, f"{target}.zero_grad(set_to_none={set_to_none})")
+
+
+class _Checkpointed(nn.Module):
+    """A layer before a reentrant activation checkpoint (``layout="pre"``), the whole model
+    inside one (``"all"``) or a checkpoint between layers (``"mid"``)."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layout = layout
+        self.pre = nn.Linear(36, 36)
+        self.body = nn.Sequential(nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = x.flatten(1).requires_grad_()
+        if self.layout == "pre":
+            return checkpoint(lambda t: self.head(self.body(t)), self.pre(x), use_reentrant=True)
+        if self.layout == "all":
+            return checkpoint(lambda t: self.head(self.body(self.pre(t))), x, use_reentrant=True)
+        return self.head(checkpoint(self.body, self.pre(x), use_reentrant=True))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+@pytest.mark.parametrize("layout", ["pre", "all", "mid"])
+def test_reentrant_activation_checkpointing_syncs_once_per_backward(comm, blocking, layout):
+    """``checkpoint(..., use_reentrant=True)`` runs a backward pass inside the backward pass:
+    its end is not the end of the cycle. The one-process model, one exchange per bucket per
+    step (before: a "second gradient" error in non-blocking mode, two cycles in blocking
+    mode)."""
+    net, ref = _Checkpointed(layout), _Checkpointed(layout)
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for step in range(STEPS):
+        _step_both(comm, step, model, opt, ref, ref_opt)
+    model.flush()
+    _assert_close(net, ref, f"reentrant checkpoint, {layout}")
+    if comm.size > 1:
+        assert model.grad_sync.state_dict()["exchanges"] == [STEPS] * len(model.grad_sync.buckets)

@@ -72,11 +72,13 @@ rank's own gradients were finite.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch.autograd import Variable
+from torch.autograd.function import BackwardCFunction
 
 from ..core import _nodereduce
 from ..core import checks as _checks
@@ -104,6 +106,22 @@ INPLACE_MIN_BYTES = 1 << 20
 #: (:attr:`GradientSync.passthrough`); ``heatlike.bench`` clears it to time the engine's own
 #: work on a rank without the network
 ONE_RANK_PASSTHROUGH = True
+
+
+_NESTING_CODE = {fn.__code__ for fn in (getattr(BackwardCFunction, "apply", None),
+                                         getattr(BackwardCFunction, "apply_boxed", None))
+                 if fn is not None}
+
+
+def _enclosing_node() -> object | None:
+    """The node of a custom autograd Function whose backward runs the backward pass this thread
+    is in (a reentrant backward), or None in an outermost pass."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _NESTING_CODE:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
 
 
 def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
@@ -282,6 +300,8 @@ class GradientSync:
         # the end of the backward pass
         self._versions: dict[int, int] = {}
         self._handed: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
+        self._viewed: set[tuple[int, int]] = set()  # gradients that are their bucket's view
+        self._armed: dict[int, object] = {}  # outer-graph nodes hooked by _arm this cycle
         self._tampered: set[int] = set()
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
@@ -380,7 +400,11 @@ class GradientSync:
         self._reduced.clear()
         self._consumed.clear()
         self._handed.clear()
+        self._viewed.clear()
         self._tampered.clear()
+        for handle in self._armed.values():
+            handle.remove()
+        self._armed.clear()
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -388,9 +412,8 @@ class GradientSync:
             return
         self._begin()
         if not self._callback_queued:
-            self._callback_queued = True
             self.seen_backward = True
-            Variable._execution_engine.queue_callback(self._backward_done)
+            self._arm()
         b, i = self._where[id(p)]
         if self._cycles == 1 and not self._marked[b][i]:
             self._arrival.append(self._index[id(p)])
@@ -402,6 +425,21 @@ class GradientSync:
         self._held = (b, i)
         self._launch_ready()
         self._progress()
+
+    def _arm(self) -> None:
+        """Queue the end-of-backward launch on the outermost backward pass. A gradient can arrive
+        in a backward pass that a custom autograd Function's backward runs inside another (the
+        reentrant ``torch.utils.checkpoint``): that inner pass ends before the outer one has
+        computed the other gradients, so its end is no end of the cycle. There the Function's
+        node in the outer graph gets a hook that arms again once its backward has returned,
+        in the outer pass (which may itself be nested)."""
+        node = _enclosing_node()
+        if node is None:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._backward_done)
+        elif id(node) not in self._armed:
+            self._armed[id(node)] = node.register_hook(
+                lambda _inputs, _outputs: None if self._callback_queued else self._arm())
 
     def _take_held(self) -> None:
         """Take the gradient reported last: every post-accumulate-grad hook of its parameter has
@@ -436,6 +474,7 @@ class GradientSync:
             if bucket.materialized and _is_view_of(grad, bucket.views[i]):
                 if fuse:
                     divide(bucket.views[i], self._fold)
+                self._viewed.add((b, i))
             elif solo and _summable_in_place(grad, bucket, i):
                 if fuse:
                     divide(grad, self._fold)
@@ -558,14 +597,15 @@ class GradientSync:
         for b in flying:
             self._versions[b] = self._payload_of(b)._version
 
-    def changed_in_flight(self) -> list[str]:
-        """Names of the parameters whose gradient was changed in place or replaced after it was
-        handed to an exchange that has not been written back to ``.grad`` yet (the change would be
-        lost or would corrupt the average). Empty outside that window."""
+    def changed_in_flight(self, buckets: Iterable[int] | None = None) -> list[str]:
+        """Names of the parameters whose gradient was changed in place, replaced or reset to
+        None after it was handed to an exchange that has not been written back to ``.grad`` yet
+        (the change would be lost or would corrupt the average), among ``buckets`` (default:
+        all). Empty outside that window."""
         if not self.active:
             return []
         changed = set()
-        for b in range(len(self.buckets)):
+        for b in range(len(self.buckets)) if buckets is None else buckets:
             if b in self._consumed or b not in self._requests:
                 continue
             bucket = self.buckets[b]
@@ -584,6 +624,9 @@ class GradientSync:
                 grad = p.grad
                 if handed is not None:
                     if grad is not handed[0] or grad._version != handed[1]:
+                        changed.add(self._index[id(p)])
+                elif (b, i) in self._viewed:  # reset to None or replaced
+                    if grad is None or not _is_view_of(grad, view):
                         changed.add(self._index[id(p)])
                 elif grad is not None and not _is_view_of(grad, view) and self._flag(b, i) > 0:
                     changed.add(self._index[id(p)])
@@ -708,6 +751,7 @@ class GradientSync:
     def _consume(self, b: int, used: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         for i in range(len(self.buckets[b].params)):
             self._handed.pop((b, i), None)
+            self._viewed.discard((b, i))
         self._consumed.add(b)
         if len(self._consumed) == len(self.buckets):
             self._wait_flags()

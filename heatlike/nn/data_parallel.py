@@ -173,6 +173,8 @@ class DataParallel(torch.nn.Module):
             if codec == "auto":
                 codec = self.autotuned.codec
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # frozen now, so never synchronized: DataParallelOptimizer.step refuses them unfrozen
+        self._frozen = [p for p in module.parameters() if not p.requires_grad]
         self.grad_sync = GradientSync(
             [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,
             on_backward_end=self._backward_end, check_finite=check_finite,
@@ -188,6 +190,9 @@ class DataParallel(torch.nn.Module):
         if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
             return
         self._handles.append(module.register_forward_hook(WrapperHook(self._module_post_hook)))
+        # values loaded into the module replace the parameters as a blocking step() left them
+        self._handles.append(module.register_load_state_dict_pre_hook(
+            WrapperHook(lambda *_: self.flush())))
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -303,6 +308,15 @@ class DataParallel(torch.nn.Module):
         if self.optimizer is not None:
             self.optimizer.flush()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients; with non-blocking updates pending, once each is applied (the
+        optimizer's ``zero_grad``): resetting them now would lose or corrupt averages still being
+        computed."""
+        if self.optimizer is not None and self.optimizer.update_next:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            super().zero_grad(set_to_none=set_to_none)
+
     def sync_gradients(self) -> None:
         """Collective: average every outstanding gradient into ``.grad`` now (only needed without
         an optimizer when a rank may have run no backward)."""
@@ -323,6 +337,7 @@ class DataParallel(torch.nn.Module):
         return {"engine": self.grad_sync.state_dict()}
 
     def set_extra_state(self, state: dict) -> None:
+        self.flush()  # loading replaces what pending updates would have changed
         self.grad_sync.load_state_dict(state["engine"])
 
 

@@ -80,7 +80,7 @@ from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
 from ..engine.replicas import average_tensors, broadcast_tensors
 from ..nn.buffers import ModuleBuffers
-from .wrapping import WrappedOptimizer
+from .wrapping import WrappedOptimizer, unsynchronized_grads
 
 __all__ = ["DASO", "PlateauDetector"]
 
@@ -246,6 +246,7 @@ class DASO(WrappedOptimizer):
         self._module_buffers = ModuleBuffers(model)
         self._buffers = self._float_buffers()
         self._tensors = [p for p in model.parameters() if p.requires_grad] + self._buffers
+        self._frozen = [p for p in model.parameters() if not p.requires_grad]  # never synced
         self._replicas_agree = self._node_agrees = True
         size = sum(t.numel() for t in self._tensors)
         device = self._tensors[0].device if self._tensors else torch.device("cpu")
@@ -356,6 +357,7 @@ class DASO(WrappedOptimizer):
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
+        unsynchronized_grads(self._frozen, "DASO's model (DataParallelMultiGPU)")
         self._current_buffers()
         if self.gradient_warmup:
             self._gradient_warmup_step()

@@ -44,7 +44,7 @@ from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
-from .wrapping import WrappedOptimizer
+from .wrapping import WrappedOptimizer, unsynchronized_grads
 
 __all__ = ["DistOpt"]
 
@@ -82,6 +82,7 @@ class DistOpt(WrappedOptimizer):
         self.global_rank = comm.rank
         self.local_rank = get_topology(comm).local_rank
         self.params = [p for g in opt.param_groups for p in g["params"]]
+        self._frozen = [p for p in self.params if not p.requires_grad]  # never synchronized
         holder = torch.nn.ParameterList(self.params)
         broadcast_module(holder, comm)  # equal replicas, rank 0's values
         self.partial = 0
@@ -262,6 +263,7 @@ class DistOpt(WrappedOptimizer):
 
     @contextlib.contextmanager
     def _communicating(self, sync: GradientSync | None) -> Iterator[None]:
+        unsynchronized_grads(self._frozen, "DistOpt")
         for p in self.params:
             p.grad = None  # fresh gradients, as SINGA's autograd.backward returns them
         if sync is not None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .wrapping import WrappedOptimizer
+from .wrapping import WrappedOptimizer, unsynchronized_grads
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.data_parallel import DataParallel
@@ -147,7 +147,9 @@ class DataParallelOptimizer(WrappedOptimizer):
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Update the parameters with the averaged gradients (blocking, or after
         :meth:`synchronize`), or schedule the update for the next forward pass (non-blocking)."""
-        sync = self._require_model().grad_sync
+        model = self._require_model()
+        sync = model.grad_sync
+        unsynchronized_grads(model._frozen, "DataParallel")
         if closure is not None and not self.blocking:
             raise ValueError("step(closure) needs blocking=True: a deferred update cannot "
                              "re-evaluate the model")
@@ -167,7 +169,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         if not pending:  # averaged already (synchronize(), GradScaler): nothing to overlap
             return self.optimizer.step()
         self._pending = pending
-        self._hyperparams = [{k: v for k, v in g.items() if k != "params"}
+        self._hyperparams = [{k: _value_now(v) for k, v in g.items() if k != "params"}
                              for g in self.optimizer.param_groups]
         return None
 
@@ -190,6 +192,14 @@ class DataParallelOptimizer(WrappedOptimizer):
         if not todo:
             return
         sync = self._require_model().grad_sync
+        changed = sync.changed_in_flight(todo)
+        if changed:
+            raise RuntimeError(
+                f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were reset "
+                "or changed after step() while their average was still being computed "
+                "(non-blocking DataParallelOptimizer), e.g. by the module's own zero_grad(): "
+                "call optimizer.zero_grad() or the DataParallel wrapper's zero_grad(), which "
+                "reset them once the pending update is applied")
         updated: list[torch.nn.Parameter] = []
         for b in todo:
             updated += sync.unpack(b)
@@ -250,3 +260,13 @@ class DataParallelOptimizer(WrappedOptimizer):
     def __repr__(self) -> str:
         mode = "blocking" if self.blocking else "non-blocking"
         return f"DataParallelOptimizer({mode}, {self.torch_optimizer!r})"
+
+
+def _value_now(value: object) -> object:
+    """A hyperparameter's value as it is now: tensors (a tensor ``lr``, tensor ``betas``) are
+    copied, since LR schedulers change them in place (``fill_``) before a deferred update runs."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_value_now(v) for v in value)
+    return value

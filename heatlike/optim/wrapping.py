@@ -219,13 +219,16 @@ def synchronized_check(params: Iterable[torch.Tensor], synchronized: Iterable[to
 
 def unsynchronized_grads(frozen: list[torch.Tensor], who: str) -> None:
     """RuntimeError when a parameter that was frozen when the engine was built (so is not
-    synchronized) has a gradient now."""
+    synchronized) requires gradients or has one now: a local step would train it with this
+    rank's own gradient and the replicas would drift apart."""
     for p in frozen:
-        if p.grad is not None:
+        if p.requires_grad or p.grad is not None:
             raise RuntimeError(
                 f"a parameter of shape {tuple(p.shape)} did not require gradients when {who} was "
-                "built, so it is not synchronized, but it has a gradient now: build the "
-                "optimizer after unfreezing it")
+                "built, so it is not synchronized, but it "
+                f"{'requires gradients' if p.requires_grad else 'has a gradient'} now: build "
+                f"{who} after unfreezing it (a parameter group with lr=0 keeps a trainable "
+                "parameter still until then)")
 
 
 def amp_skip(opt: torch.optim.Optimizer, comm, params: Iterable[torch.Tensor] | None = None,
