@@ -499,3 +499,33 @@ def test_reentrant_activation_checkpointing_syncs_once_per_backward(comm, blocki
     _assert_close(net, ref, f"reentrant checkpoint, {layout}")
     if comm.size > 1:
         assert model.grad_sync.state_dict()["exchanges"] == [STEPS] * len(model.grad_sync.buckets)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DataParallelMultiGPU"])
+def test_converting_the_module_after_wrapping_is_a_clear_error(comm, wrapper):
+    """``model.double()`` after wrapping: the buckets were planned for float32 gradients. The
+    next training forward raises on every rank, saying what to do (before: torch's "attempting
+    to assign a gradient with dtype 'float'" deep inside the backward pass)."""
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO
+
+    net = _net()
+    if wrapper == "DataParallel":
+        model = DataParallel(net, comm, optimizer=DataParallelOptimizer(
+            torch.optim.SGD(net.parameters(), lr=LR)))
+    else:
+        daso = DASO(torch.optim.SGD(net.parameters(), lr=LR), total_epochs=3, comm=comm,
+                    warmup_epochs=1, cooldown_epochs=1)
+        model = DataParallelMultiGPU(net, daso)
+    model.double()
+    x, _ = _data(0, comm.rank)
+    if comm.size == 1:  # nothing is averaged: the converted model trains
+        model(x.double()).sum().backward()
+        assert all(p.grad.dtype == torch.float64 for p in net.parameters())
+        return
+    with pytest.raises(RuntimeError, match=rf"converted after {wrapper} was built .*"
+                                           r"torch.float64 on cpu now"):
+        model(x.double())
+    with torch.no_grad():  # evaluation still runs
+        assert model(x.double()).dtype == torch.float64

@@ -808,6 +808,20 @@ class GradientSync:
             return ctx.support
         return ctx.parts[i] if ctx.parts is not None else None
 
+    def check_layout(self, who: str) -> None:
+        """RuntimeError when the parameters no longer have the dtype or device their buckets
+        were planned for (``model.double()``, ``model.to(...)`` after ``who`` was built): their
+        gradients could not be averaged in those buckets. One rank averages nothing: no check."""
+        if self.passthrough:
+            return
+        for bucket in self.buckets:
+            p = bucket.params[0]
+            if p.dtype != bucket.dtype or p.device != bucket.device:
+                raise RuntimeError(
+                    f"the parameters were converted after {who} was built ({bucket.dtype} on "
+                    f"{bucket.device} then, {p.dtype} on {p.device} now): convert the module "
+                    f"(.double(), .to(...)) before building {who}")
+
     def buckets_of(self, params: Iterable[torch.nn.Parameter]) -> list[int]:
         """Indices of the buckets holding any of ``params`` (sorted)."""
         return sorted({self._where[id(p)][0] for p in params if id(p) in self._where})

@@ -229,9 +229,11 @@ class DataParallel(torch.nn.Module):
             self._after_forward(output)
 
     def _before_forward(self, defer: bool) -> None:
-        if self.grad_sync.closed and self.training and torch.is_grad_enabled():
-            raise RuntimeError("this DataParallel was closed (close()): it no longer averages "
-                               "gradients; build a new one to train")
+        if self.training and torch.is_grad_enabled():
+            if self.grad_sync.closed:
+                raise RuntimeError("this DataParallel was closed (close()): it no longer "
+                                   "averages gradients; build a new one to train")
+            self.grad_sync.check_layout("DataParallel")
         if self._join is not None and self.training:
             self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled)
         if self.check_finite and self.training:
@@ -417,6 +419,10 @@ class DataParallelMultiGPU(torch.nn.Module):
         if self.grad_sync is not None:
             self.grad_sync.enabled = not warmup and (not self.training or
                                                      self.optimizer.local_sync_now())
+        if self.training and torch.is_grad_enabled():
+            for sync in (self.grad_sync, self.global_sync):
+                if sync is not None:
+                    sync.check_layout("DataParallelMultiGPU")
 
     def _poll(self, *_args) -> None:
         if self.optimizer._pending:
