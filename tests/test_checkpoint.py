@@ -8,6 +8,7 @@ equal A's bit for bit. (tests/test_resume.py repeats this across separate proces
 import argparse
 import collections
 import copy
+import hashlib
 import os
 from collections import OrderedDict
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -161,8 +162,41 @@ def test_loading_at_another_world_size_averages_and_resets(comm, tmp_path):
     assert all(not s for s in d.runner.optimizer.sync.codec.states.values())
 
 
+def test_at_another_world_size_what_every_rank_had_alike_loads(comm, tmp_path):
+    """A set of strings equal on every rank loads as it is (its pickle follows each process's
+    hash seed: it was taken for per-rank and dropped), and each random generator is judged on
+    its own: torch's and numpy's, seeded alike, load; only Python's, seeded per rank, is reset
+    (the whole section was)."""
+    import random
+
+    if comm.size == 1:
+        pytest.skip("needs a second rank to save state that differs between ranks")
+    path = _shared_path(comm, tmp_path)
+    net = mlp([4, 3])
+    tags = {f"tag{i}" for i in range(12)}
+    torch.manual_seed(5)
+    np.random.seed(5)  # noqa: NPY002 (the global stream is what a checkpoint saves)
+    random.seed(comm.rank)
+    checkpoint.save(path, net, comm=comm, tags=tags)
+    expected = (torch.rand(3), np.random.rand(3))  # noqa: NPY002
+    comm.Barrier()
+    torch.manual_seed(99)
+    np.random.seed(99)  # noqa: NPY002
+    state = checkpoint.load(path, mlp([4, 3]), comm=hl.MPI_SELF)
+    assert state["tags"] == tags
+    assert state.reset == ["rng.python"]
+    assert torch.equal(torch.rand(3), expected[0])
+    assert np.array_equal(np.random.rand(3), expected[1])  # noqa: NPY002
+
+
 def _params(net):
     return [p.detach().clone() for p in net.parameters()]
+
+
+def _with_index(raw: bytes) -> bytes:
+    """A file with heatlike's header and trailer around the index ``raw``, its checksum right."""
+    return checkpoint.MAGIC + raw + len(raw).to_bytes(8, "little") + \
+        hashlib.sha256(raw).digest() + checkpoint.END
 
 
 def test_damaged_files_are_rejected_on_every_rank(comm, tmp_path):
@@ -177,6 +211,11 @@ def test_damaged_files_are_rejected_on_every_rank(comm, tmp_path):
         "empty": b"",
         "not a checkpoint": b"PK\x03\x04" + good[4:],
         "index flipped": good[:-60] + bytes([good[-60] ^ 1]) + good[-59:],
+        # indexes whose checksum matches but whose shape is not heatlike's
+        "index a list": _with_index(b"[1, 2]"),
+        "index without segments": _with_index(b'{"format": 1, "world_size": 1}'),
+        "index with bad segments": _with_index(
+            b'{"format": 1, "world_size": 1, "segments": {"shared": [1, 2]}}'),
     }
     fresh = Loop("allreduce", comm)
     before = _params(fresh.net)

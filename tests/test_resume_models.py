@@ -5,7 +5,8 @@ same steps. The parameters must equal the uninterrupted run's bit for bit, on ev
 Conv layers produce their gradients in another order than the reverse of registration, which is
 what once made a saved bucket plan impossible to load; BatchNorm adds buffers, Embedding integer
 inputs, a transformer block attention and LayerNorm, tied weights a parameter shared by two
-modules, frozen parameters a model whose trainable set is a subset."""
+modules, frozen parameters a model whose trainable set is a subset, dropout the random stream a
+checkpoint restores."""
 
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ MODELS = {
     "transformer": (_Transformer, (4, 8), None),
     "tied": (_Tied, (8,), None),
     "frozen": (_frozen, (8,), None),
+    "dropout": (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.5),
+                                      nn.Linear(16, CLASSES)), (8,), None),
 }
 
 STEPS, SAVE_AT, PER_EPOCH, BATCH = 8, 5, 4, 4

@@ -253,6 +253,10 @@ def _digest(leaf) -> str:
             h.update(flat.view(torch.uint8).numpy().tobytes())
     elif leaf is None or isinstance(leaf, (bool, int, float, str, bytes)):
         h.update(f"{type(leaf).__name__} {leaf!r}".encode())
+    elif isinstance(leaf, (set, frozenset)):  # iteration order follows each process's hash seed
+        h.update(type(leaf).__name__.encode())
+        for item in sorted(_digest(x) for x in leaf):
+            h.update(item.encode())
     else:
         h.update(pickle.dumps(leaf))
     return h.hexdigest()
@@ -615,12 +619,19 @@ def _read(path: Path) -> tuple[dict, dict[str, bytes]]:
     raw = data[start:start + size]
     if hashlib.sha256(raw).digest() != digest:
         raise CheckpointError(f"{what}: its index does not match its checksum (corrupted)")
-    index = json.loads(raw)
-    if index.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has checkpoint format {index.get('format')}, this "
-                              f"heatlike reads format {FORMAT}")
+    try:  # a checksum that matches an index of another shape: a file written by something else
+        index = json.loads(raw)
+        fmt = index.get("format")
+        entries = [(str(name), int(offset), int(length), str(sha))
+                   for name, (offset, length, sha) in index["segments"].items()]
+        int(index["world_size"])
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{what}: its index is malformed ({type(e).__name__}: {e})") from e
+    if fmt != FORMAT:
+        raise CheckpointError(f"{path} has checkpoint format {fmt}, this heatlike reads format "
+                              f"{FORMAT}")
     segments = {}
-    for name, (offset, length, sha) in index["segments"].items():
+    for name, offset, length, sha in entries:
         segment = data[offset:offset + length]
         if len(segment) != length or offset + length > start:
             raise CheckpointError(f"{what}: segment {name!r} is cut short (truncated)")
@@ -880,14 +891,16 @@ def _raise_from_root(error: Exception | None, comm: MPICommunication) -> None:
 
 
 def _reset_unit(path: Path_) -> Path_:
-    """What is reset together with a per-rank leaf: everything below ``engine``, the whole RNG
-    and wrapper sections, a whole keyword argument, otherwise the leaf alone."""
+    """What is reset together with a per-rank leaf: everything below ``engine``, the wrapper
+    section, one generator's whole state (torch's, numpy's, Python's, heatlike's: each stream
+    that was the same on every rank loads, such as torch's seeded alike while Python's was left
+    unseeded), a whole keyword argument, otherwise the leaf alone."""
     for i, key in enumerate(path):
         if isinstance(key, str) and key in _RESET_KEYS:
             return path[:i + 1]
-    if path[0] in ("rng", "wrapper"):
+    if path[0] == "wrapper":
         return path[:1]
-    return path[:2] if path[0] in ("states", "extra") else path
+    return path[:2] if path[0] in ("rng", "states", "extra") else path
 
 
 def _merge_ranks(parts: list[dict]) -> dict:

@@ -327,8 +327,12 @@ class DataLoader:
     def _batches(self, skip: int = 0) -> Iterator:
         ds = self.dataset
         if not (isinstance(ds, Dataset) and ds.distributed):
+            # torch's loader draws a seed for its workers when an epoch starts: from a generator
+            # of its own, not from the global RNG, whose stream (dropout masks) a resumed run
+            # must continue exactly where it was saved
+            own = torch.Generator().manual_seed(self.sampler.seed + self.sampler.epoch)
             yield from torch.utils.data.DataLoader(ds, batch_sampler=list(self.sampler)[skip:],
-                                                   collate_fn=self.collate_fn)
+                                                   collate_fn=self.collate_fn, generator=own)
             return
         wanted = [self.sampler.rank_indices(r) for r in range(self.comm.size)]
         arrays = ds.fetch(wanted, self.comm)
