@@ -387,3 +387,28 @@ def test_a_shorter_message_leaves_the_rest_of_a_strided_buffer_alone(comm):
                 (left, 9, 3), (checked, blocking)
     with pytest.raises(TypeError, match="pass it to the request's Wait"):
         comm.Irecv(torch.zeros(2), source=left, tag=9, status=MPI.Status())
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.uint64], ids=lambda d: d.__name__)
+def test_numpy_unsigned_arrays_are_buffers(comm, dtype):
+    """numpy's wider unsigned integers (torch has them too) are reduced and gathered, contiguous
+    and strided (they were a TypeError)."""
+    size, rank = comm.size, comm.rank
+    def buffer(values, strided):
+        if not strided:
+            return values
+        base = np.zeros(2 * values.size, dtype=dtype)
+        base[::2] = values
+        return base[::2]
+
+    for strided in (False, True):
+        mine = buffer(np.arange(10, dtype=dtype) * (rank + 1), strided)
+        out = buffer(np.zeros(10, dtype=dtype), strided)
+        comm.Allreduce(mine, out, MPI.SUM)
+        assert (out == np.arange(10, dtype=dtype) * sum(range(1, size + 1))).all()
+        comm.Allreduce(mine, out, MPI.MAX)
+        assert (out == np.arange(10, dtype=dtype) * size).all()
+        gathered = np.zeros(10 * size, dtype=dtype)
+        comm.Allgather(mine, gathered)
+        assert (gathered.reshape(size, 10) == np.arange(10, dtype=dtype) *
+                np.arange(1, size + 1, dtype=dtype)[:, None]).all()

@@ -121,6 +121,9 @@ _NUMPY_TO_TORCH = {
     np.dtype(np.complex64): torch.complex64,
     np.dtype(np.complex128): torch.complex128,
 }
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _NUMPY_TO_TORCH[np.dtype(_name)] = getattr(torch, _name)
 
 
 def torch_dtype_of_numpy(dtype: np.dtype) -> torch.dtype | None:
