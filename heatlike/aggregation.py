@@ -95,12 +95,17 @@ class Aggregation:
                                  None if denom is None else float(denom))
         return self._reducer_
 
-    def _agg(self, data: torch.Tensor, op: str, denom=None) -> torch.Tensor:
-        """Aggregate the tensor ``data`` in place across ranks and return it."""
+    def _agg(self, data: torch.Tensor, op: str, denom=None, *,
+             key: object = None) -> torch.Tensor:
+        """Aggregate the tensor ``data`` in place across ranks and return it. A codec's memory
+        between calls (error feedback's residual, PowerSGD's warm start) is kept per ``key``
+        (any hashable naming what ``data`` holds, e.g. a parameter's name; the same on every
+        rank); without one, nothing is carried from one call to the next (a residual keyed by
+        size alone was another tensor's)."""
         flat = data.view(-1) if data.is_contiguous() else data.reshape(-1)
-        ctx = Context(key=("agg", flat.numel()), shapes=[data.shape], size=self.comm.size,
-                      rank=self.comm.rank, step=self._calls,
-                      state=self.codec.state_for(("agg", flat.numel())))
+        state = {} if key is None else self.codec.state_for(("agg", key))
+        ctx = Context(key=("agg", key), shapes=[data.shape], size=self.comm.size,
+                      rank=self.comm.rank, step=self._calls, state=state)
         self._calls += 1
         self._reducer(op, denom)
         self._lane.start(flat, ctx).Wait()
@@ -111,10 +116,13 @@ class Aggregation:
     def _plan(self, model: torch.nn.Module, kind: str, by_layer: bool):
         # a gradient plan may treat a one-rank sum or average as the identity when it is built,
         # so a call that divides by a custom denominator gets a plan of its own
-        key = (id(model), kind, by_layer, getattr(self._reducer_, "op", None) == "custom_avg")
+        # keyed by the parameters, which a plan holds: a model with the id of a freed one (same
+        # id on some ranks only) still gets a plan of its own, on every rank
+        params = list(model.parameters())
+        key = (tuple(map(id, params)), kind, by_layer,
+               getattr(self._reducer_, "op", None) == "custom_avg")
         plan = self._plans.get(key)
         if plan is None:
-            params = list(model.parameters())
             cap = 1e-6 if by_layer else 1e6
             if kind == "grad":
                 plan = GradientSync(params, self.comm, cap, cap, codec=self.codec,

@@ -5,6 +5,8 @@ communication rounds (``heatlike.engine.exchange``) and leaves the sum over rank
 approximated, in ``x``. Codecs with error feedback keep a residual ``e`` per tensor key: they
 compress ``x + e`` and keep what they did not send, ``e <- x + e - sent``, so nothing is lost,
 only delayed (Stich et al. 2018; Karimireddy et al. 2019). Their state is in ``state_dict()``.
+A tensor that no rank had a gradient for in a step keeps its residual as it was: the engine
+puts it back (:meth:`Codec.residual_in`), since that exchange's result reaches no parameter.
 
 =================  ==============================================  =========  ===================
 codec              sends per rank (n floats in)                    linear     decode
@@ -71,6 +73,15 @@ class Codec:
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         raise NotImplementedError
+
+    def residual_in(self, state: dict, i: int, offset: int, numel: int) -> torch.Tensor | None:
+        """The part of a bucket's error-feedback residual that belongs to its tensor ``i``
+        (elements ``offset`` to ``offset + numel`` of the bucket's values), from ``state``, the
+        bucket's state; None where the codec keeps no residual there."""
+        residual = state.get("residual")
+        if residual is None or residual.numel() < offset + numel:
+            return None
+        return residual.view(-1)[offset:offset + numel]
 
     def state_dict(self) -> dict:
         """A copy of the per-bucket state (codecs update their tensors in place)."""
@@ -646,6 +657,9 @@ class Clipped(Codec):
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
         yield from self.inner.rounds(x, ctx)
 
+    def residual_in(self, state: dict, i: int, offset: int, numel: int) -> torch.Tensor | None:
+        return self.inner.residual_in(state, i, offset, numel)
+
 
 class Warmup(Codec):
     """Send the values as they are (an exact sum) in each tensor's first ``steps`` exchanges,
@@ -678,6 +692,9 @@ class Warmup(Codec):
         else:
             yield from self.inner.rounds(x, ctx)
 
+    def residual_in(self, state: dict, i: int, offset: int, numel: int) -> torch.Tensor | None:
+        return self.inner.residual_in(state, i, offset, numel)
+
 
 class PerTensor(Codec):
     """``inner`` applied to each tensor of a bucket as if the tensor were alone in a bucket (its
@@ -705,6 +722,10 @@ class PerTensor(Codec):
 
     def pre(self, x: torch.Tensor) -> None:
         self.inner.pre(x)
+
+    def residual_in(self, state: dict, i: int, offset: int, numel: int) -> torch.Tensor | None:
+        mine = state.get(i)
+        return None if mine is None else self.inner.residual_in(mine, 0, 0, numel)
 
     def load_state_dict(self, state: dict) -> None:
         """Also takes the state of ``inner`` alone, kept with one tensor per bucket (as

@@ -302,6 +302,8 @@ class GradientSync:
         self._handed: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._viewed: set[tuple[int, int]] = set()  # gradients that are their bucket's view
         self._armed: dict[int, object] = {}  # outer-graph nodes hooked by _arm this cycle
+        # bucket -> [(parameter, offset, residual)] of parameters without a gradient here
+        self._idle: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         self._tampered: set[int] = set()
         self._reduced: set[int] = set()
         self._consumed: set[int] = set()
@@ -405,6 +407,7 @@ class GradientSync:
         for handle in self._armed.values():
             handle.remove()
         self._armed.clear()
+        self._idle.clear()
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -530,9 +533,12 @@ class GradientSync:
         if self.check_finite:
             self._local_bad[b] = [self._index[id(p)] for p, v in zip(bucket.params, self._parts(b))
                                   if not all_finite(v)]
+        state = self.codec.state_for(b)
+        if self.codec.stateful:
+            self._keep_idle_residuals(bucket, state)
         ctx = Context(key=b, shapes=[p.shape for p in bucket.params], size=self.comm.size,
                       rank=self.comm.rank, step=self._exchanges[b], seed=self.seed,
-                      state=self.codec.state_for(b))
+                      state=state)
         self._exchanges[b] += 1
         self._contexts[b] = ctx
         scaled = self._fold is not None
@@ -549,6 +555,31 @@ class GradientSync:
         if self.codec.carries_flags and getattr(self.reducer, "sums", True):
             return self.lane.start(bucket.buffer, ctx, scaled=scaled)
         return self.lane.start(bucket.values, ctx, bucket.flags, scaled=scaled)
+
+    def _keep_idle_residuals(self, bucket: Bucket, state: dict) -> None:
+        """Copy the residuals of the parameters without a gradient on this rank before the
+        codec compresses them (their value is 0 + residual). If no rank had one, the exchange's
+        result is not used (no ``.grad``: torch's optimizers skip the parameter), and
+        :meth:`_restore_idle_residuals` puts the copies back: what the codec took out of them
+        would otherwise be lost, not delayed (mlbench-core skips such a parameter altogether)."""
+        kept = []
+        for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+            if self._flag(bucket.index, i) == 0:
+                residual = self.codec.residual_in(state, i, offset, p.numel())
+                if residual is not None:
+                    kept.append((i, offset, residual.clone()))
+        if kept:
+            self._idle[bucket.index] = kept
+        else:
+            self._idle.pop(bucket.index, None)
+
+    def _restore_idle_residuals(self, bucket: Bucket, summed: Sequence[float]) -> None:
+        for i, offset, residual in self._idle.pop(bucket.index, ()):
+            if summed[i] <= 0:
+                now = self.codec.residual_in(self.codec.state_for(bucket.index), i, offset,
+                                             residual.numel())
+                if now is not None:
+                    now.copy_(residual)
 
     def _pipelined(self) -> bool:
         """Whether a bucket's exchange has phases of its own: staged through host memory in
@@ -733,6 +764,8 @@ class GradientSync:
             summed = [float(self._solo_view[b])]
         else:
             summed = bucket.summed_flags()
+        if b in self._idle:
+            self._restore_idle_residuals(bucket, summed)
         used = []
         with torch.no_grad():
             for p, view, flag in zip(bucket.params, bucket.views, summed):
