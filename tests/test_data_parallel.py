@@ -935,6 +935,23 @@ def test_find_unused_parameters(comm, blocking):
     _same_on_all_ranks(comm, local)
 
 
+def test_find_unused_parameters_names_a_gradient_from_outside_the_forward(comm):
+    """With ``find_unused_parameters`` a parameter the forward's output does not reach is
+    launched as unused; a loss term on it outside the forward then gives it a gradient anyway.
+    The error names the parameter and the cause (it blamed a second backward pass)."""
+    if comm.size == 1:
+        pytest.skip("one rank averages nothing: no parameter is launched early")
+    net = nn.Sequential(nn.Linear(3, 2))
+    extra = nn.Linear(2, 2)
+    holder = nn.ModuleDict({"body": net, "extra": extra})
+    holder.forward = net.forward
+    model = DataParallel(holder, comm, find_unused_parameters=True)
+    loss = model(torch.randn(4, 3)).sum() + extra.weight.square().sum()
+    with pytest.raises(RuntimeError, match=r"'extra.weight' received a gradient although the "
+                                           r"forward's output does not reach it"):
+        loss.backward()
+
+
 def test_buckets_are_rebuilt_in_arrival_order(comm):
     """A parameter that got no gradient in the first step moves to the last bucket, identically
     on every rank."""

@@ -301,6 +301,7 @@ class GradientSync:
         self._versions: dict[int, int] = {}
         self._handed: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._viewed: set[tuple[int, int]] = set()  # gradients that are their bucket's view
+        self._declared_unused: set[tuple[int, int]] = set()  # by mark_unused, this cycle
         self._armed: dict[int, object] = {}  # outer-graph nodes hooked by _arm this cycle
         # bucket -> [(parameter, offset, residual)] of parameters without a gradient here
         self._idle: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
@@ -403,6 +404,7 @@ class GradientSync:
         self._consumed.clear()
         self._handed.clear()
         self._viewed.clear()
+        self._declared_unused.clear()
         self._tampered.clear()
         for handle in self._armed.values():
             handle.remove()
@@ -420,6 +422,13 @@ class GradientSync:
         b, i = self._where[id(p)]
         if self._cycles == 1 and not self._marked[b][i]:
             self._arrival.append(self._index[id(p)])
+        if (b, i) in self._declared_unused:
+            raise RuntimeError(
+                f"{self.names[self._index[id(p)]]!r} received a gradient although the forward's "
+                "output does not reach it (find_unused_parameters launched its bucket without "
+                "it): a loss term outside the forward pass, or a second forward before this "
+                "backward. Build DataParallel without find_unused_parameters (correctness never "
+                "needs it)")
         if self._marked[b][i] or self._held == (b, i):
             raise RuntimeError(
                 "a parameter received a second gradient before the previous ones were used: run "
@@ -711,6 +720,7 @@ class GradientSync:
             b, i = self._where[id(p)]
             if not self._marked[b][i]:
                 self._mark(b, i, p.grad)
+                self._declared_unused.add((b, i))
         self._launch_ready()
 
     def participate(self) -> None:
