@@ -168,6 +168,32 @@ def test_check_finite_raises_on_every_rank(comm, codec):
         model(torch.randn(2, 3))
 
 
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_training_goes_on_after_a_caught_non_finite_step(comm, blocking):
+    """A program that catches check_finite's FloatingPointError and goes on to the next batch:
+    the failed step is skipped on every rank and training continues with equal replicas
+    (non-blocking mode raised again at every later forward: the failed update stayed
+    pending)."""
+    if comm.size == 1:
+        pytest.skip("one rank averages nothing: check_finite is checked where gradients meet")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt, check_finite=True)
+    raised = []
+    for step in range(4):
+        try:
+            _nonfinite_step(model, opt, comm, poison_rank=0 if step == 1 else -1)
+            if not blocking:
+                model(torch.randn(1, 3))  # the pending update is applied here
+        except FloatingPointError:
+            raised.append(step)
+    model.flush()
+    assert raised == [1]
+    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    verify_replicas(net, comm, buffers=False)
+
+
 def test_centralized_check_finite(comm):
     net = nn.Linear(3, 2)
     opt = CentralizedSGD(model=net, lr=0.1, comm=comm, check_finite=True)

@@ -202,7 +202,11 @@ class DataParallelOptimizer(WrappedOptimizer):
                 "reset them once the pending update is applied")
         updated: list[torch.nn.Parameter] = []
         for b in todo:
-            updated += sync.unpack(b)
+            try:
+                updated += sync.unpack(b)
+            except FloatingPointError:  # check_finite: the same bucket fails on every rank
+                self._skip_pending()
+                raise
             self._pending.remove(b)
         with self._hyperparameters_of_step():
             self._step_only(updated)
@@ -215,6 +219,16 @@ class DataParallelOptimizer(WrappedOptimizer):
             if not self._pending:
                 self.optimizer.zero_grad(set_to_none=self._zero_request)
                 self._zero_request = None
+
+    def _skip_pending(self) -> None:
+        """Drop the rest of the deferred step (its averages were not finite): the engine has
+        ended the cycle, the gradients are reset as a ``zero_grad()`` since ``step()`` asked, and
+        the next forward runs as after a skipped step (before, every later forward raised
+        again)."""
+        self._pending = []
+        if self._zero_request is not None:
+            self.optimizer.zero_grad(set_to_none=self._zero_request)
+            self._zero_request = None
 
     def _step_only(self, params: Sequence[torch.nn.Parameter]) -> None:
         """One torch ``step()`` that updates only ``params`` (the others' gradients hidden)."""
