@@ -220,6 +220,22 @@ def test_powersgd_full_rank_is_exact(comm, reuse):
     assert torch.allclose(total, torch.zeros(n), atol=1e-4)
 
 
+def test_powersgd_warm_start_after_an_all_zero_matrix_is_drawn_afresh(comm):
+    """With ``reuse_query`` a matrix that is zero on every rank (no error feedback) leaves
+    Q = 0: the next step would compress onto whatever basis QR makes of zeros. A zero warm
+    start is replaced by a fresh query, so the step after approximates as a first step does."""
+    shapes = [torch.Size([16, 12])]
+    codec = PowerSGD(rank=2, reuse_query=True, error_feedback=False)
+    _run(codec, torch.zeros(192), comm, shapes=shapes, step=0)
+    assert not codec.state_for(0)["Q"][0].any()
+    xs = [_x(r, 192, seed=3) for r in range(comm.size)]
+    got = _run(codec, xs[comm.rank].clone(), comm, shapes=shapes, step=1)
+    fresh = _run(PowerSGD(rank=2, reuse_query=True, error_feedback=False),
+                 xs[comm.rank].clone(), comm, shapes=shapes, step=1)
+    torch.testing.assert_close(got, fresh)
+    assert codec.state_for(0)["Q"][0].any()
+
+
 @pytest.mark.parametrize("rank", [1, 2, 8, 9])
 def test_powersgd_follows_its_formula_on_large_and_small_matrices(comm, rank):
     """The docstring's formula with plain matrix products, every rank's data known to every

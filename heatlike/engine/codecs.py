@@ -563,7 +563,9 @@ class PowerSGD(Codec):
         for i, _, m in matrices:
             r = min(m.shape[0], m.shape[1], self.rank)
             q = queries.get(i) if self.reuse_query else None
-            if q is None or q.shape != (m.shape[1], r):
+            # a warm start is zero after a step whose M was zero on every rank: it would span
+            # nothing, so a fresh query is drawn (the same on every rank: Q is the ranks' sum)
+            if q is None or q.shape != (m.shape[1], r) or not bool(q.any()):
                 q = torch.randn(m.shape[1], r, generator=ctx.generator(salt=i))
                 q = q.to(device=x.device, dtype=x.dtype)
             qs.append(q)
