@@ -485,6 +485,34 @@ def _rooted_layout(is_root: bool, own: torch.Tensor | None, whole: torch.Tensor 
     return own.numel(), own.dtype, counts if is_root else None
 
 
+class _Counted:
+    """A receive request whose completion keeps its status (how much arrived), whichever
+    completion call observes it; a caller's status is filled too."""
+
+    __slots__ = ("req", "status")
+
+    def __init__(self, req: MPI.Request) -> None:
+        self.req, self.status = req, MPI.Status()
+
+    def _done(self, status: MPI.Status | None) -> bool:
+        if status is not None:
+            status.Set_source(self.status.Get_source())
+            status.Set_tag(self.status.Get_tag())
+            status.Set_error(self.status.Get_error())
+            status.Set_elements(MPI.BYTE, self.status.Get_count(MPI.BYTE))
+        return True
+
+    def Test(self, status: MPI.Status | None = None) -> bool:
+        return self.req.Test(self.status) and self._done(status)
+
+    def Wait(self, status: MPI.Status | None = None) -> None:
+        self.req.Wait(self.status)
+        self._done(status)
+
+    def Cancel(self) -> None:
+        self.req.Cancel()
+
+
 # ---------------------------------------------------------------------------- method factories
 
 
@@ -1047,14 +1075,26 @@ class MPICommunication:
         if status is not None and not blocking and not _requests.settled:
             raise TypeError("Irecv takes no status: pass it to the request's Wait() or Test()")
         t, back = as_tensor(buf, "buf", write=True)
-        # a message may be shorter than the buffer: what it does not cover keeps its contents
-        dst, fin = writable(t, back, keep_contents=True)
+        # a message may be shorter than the buffer: what it does not cover keeps its contents.
+        # Device memory staged through the host gets back only what arrived (copying all of it
+        # out first would double the staging); a strided buffer starts as a copy of itself.
+        counted = back is None and _buffers.staged(t) and t.is_contiguous()
+        dst, fin = writable(t, back, keep_contents=not counted)
         sync_devices(t)
         if blocking:
+            if counted and status is None:
+                status = MPI.Status()
             self.handle.Recv(spec(dst), source, tag, status)
         else:
-            yield self.handle.Irecv(spec(dst), source, tag)
-        if fin is not None:
+            request = self.handle.Irecv(spec(dst), source, tag)
+            if counted:
+                request = _Counted(request)
+                status = request.status
+            yield request
+        if counted:
+            n = status.Get_count(MPI.BYTE) // t.element_size()
+            t.view(-1)[:n].copy_(dst.view(-1)[:n], non_blocking=dst.is_pinned())
+        elif fin is not None:
             fin()
 
     def Sendrecv(self, sendbuf, dest: int, sendtag: int = 0, recvbuf=None,
