@@ -2,6 +2,8 @@
 kurtosis) on every rank, for every layout, balanced and unbalanced; bad input raises on every
 rank."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -127,6 +129,44 @@ def test_counting_histograms_and_buckets():
     if COMM.size > 1:
         raises_everywhere(RuntimeError, lambda: ht.bucketize(ht.ones(3), ht.arange(4, split=0)),
                           "distributed")
+
+
+def _on_the_last_rank(g: np.ndarray) -> ht.DNDarray:
+    """``g`` split along axis 0 with every row on the last rank (the others hold none)."""
+    return ht.array(g if COMM.rank == COMM.size - 1 else g[:0], is_split=0)
+
+
+def test_counting_where_ranks_hold_nothing():
+    """Ranks without elements: weighted bincount has the weights' dtype on every rank (an empty
+    part counted as int64 and was summed as such: float64 bit patterns on those ranks), and
+    histc checks its range on every rank (torch checked it only where there was data, and the
+    others waited in the sum: a hang)."""
+    gi, w = np.array([0, 1, 1, 3]), np.array([0.5, 1.0, 2.0, 4.0])
+    x, wx = _on_the_last_rank(gi), _on_the_last_rank(w)
+    got = ht.bincount(x, weights=wx)
+    assert got.dtype == torch.float64
+    assert_matches(got, np.bincount(gi, weights=w), "weights")
+    assert ht.bincount(x, weights=_on_the_last_rank(w.astype(np.float32))).dtype == \
+        torch.float32
+    bad = _on_the_last_rank(np.array([1.0, np.nan, 2.0]))
+    raises_everywhere(RuntimeError, lambda: ht.histc(bad, bins=3), "not finite")
+    raises_everywhere(RuntimeError, lambda: ht.histc(_on_the_last_rank(np.ones(3)), 3, min=3,
+                                                     max=1), "larger than min")
+
+
+def test_variance_with_ddof_beyond_the_count_is_numpys():
+    """``ddof >= N``: numpy divides by max(N - ddof, 0), inf (or NaN where the sum is 0); the
+    divisor went negative (variance -2, standard deviation NaN)."""
+    row = np.arange(4.0).reshape(1, 4)
+    with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy: "Degrees of freedom <= 0"
+        expected = np.var([3.0, 5.0], ddof=3), np.std([3.0, 5.0], ddof=3), \
+            np.var(row, axis=0, ddof=2)
+    for what, x in layouts(np.array([3.0, 5.0])):
+        assert_matches(ht.var(x, ddof=3), expected[0], what)
+        assert_matches(ht.std(x, ddof=3), expected[1], what)
+    for what, x in layouts(row):
+        assert_matches(ht.var(x, axis=0, ddof=2), expected[2], what)
 
 
 def test_cov():

@@ -257,8 +257,9 @@ def _ddof(ddof: object, bessel: object) -> int:
 
 def var(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False,
         bessel: bool | None = None) -> DNDarray:
-    """Variance ``sum(|x - mean|**2) / (N - ddof)`` over ``axis`` (two passes). ``bessel``
-    (Heat's spelling): True is ``ddof=1``, False ``ddof=0``."""
+    """Variance ``sum(|x - mean|**2) / max(N - ddof, 0)`` over ``axis`` (two passes; numpy's
+    divisor: ``ddof >= N`` gives inf, or NaN where the sum is 0). ``bessel`` (Heat's spelling):
+    True is ``ddof=1``, False ``ddof=0``."""
     x = _check(x, "var")
     ddof = _ddof(ddof, bessel)
     out, acc = _float_type(x.dtype)
@@ -268,7 +269,8 @@ def var(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False,
     d = xa - m
     sq = d._rewrap(d.larray.abs().square() if d.dtype.is_complex else d.larray.square())
     s = sum(sq, axis, keepdims=keepdims)
-    return s._rewrap((s.larray / (n - ddof)).to(out if not out.is_complex else s.dtype))
+    return s._rewrap((s.larray / builtins.max(n - ddof, 0))
+                     .to(out if not out.is_complex else s.dtype))
 
 
 def std(x: DNDarray, axis: Axis = None, ddof: int = 0, keepdims: bool = False,

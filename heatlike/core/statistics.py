@@ -21,6 +21,7 @@ Argument checks use only metadata every rank shares, so bad input raises on ever
 from __future__ import annotations
 
 import builtins
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,9 +128,13 @@ def bincount(x: DNDarray, weights: DNDarray | None = None, minlength: int = 0) -
     n = builtins.max(top, int(minlength))
     w = None if weights is None else weights.larray
     local = torch.bincount(t, weights=w, minlength=n)
+    # the result's dtype from the inputs' dtypes alone: torch counts an empty part as int64
+    # whatever the weights, and every rank must sum the same type
     if w is None:
         local = local.to(torch.int64)
-    elif not (w.dtype.is_floating_point or w.dtype.is_complex):
+    elif w.dtype.is_floating_point or w.dtype.is_complex:
+        local = local.to(w.dtype)
+    else:
         local = local.to(torch.float64)
     if x.split is not None and x.comm.size > 1:
         local = local.contiguous()
@@ -244,6 +249,11 @@ def histc(input: DNDarray, bins: int = 100, min: float = 0, max: float = 0,  # n
             hi = float(reductions.max(x).item())
     if lo == hi:
         lo, hi = lo - 1, hi + 1
+    # the range is known alike on every rank: checked here, not by torch on the ranks with data
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise RuntimeError(f"histc: range of [{lo}, {hi}] is not finite")
+    if lo > hi:
+        raise RuntimeError(f"histc: max must be larger than min, got min={lo}, max={hi}")
     local = torch.histc(t, bins=int(bins), min=lo, max=hi) if t.numel() else \
         torch.zeros(int(bins), dtype=t.dtype, device=t.device)
     if x.split is not None and x.comm.size > 1:
