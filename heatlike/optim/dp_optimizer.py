@@ -217,8 +217,13 @@ class DataParallelOptimizer(WrappedOptimizer):
                 elif p.grad is not None:
                     p.grad.zero_()
             if not self._pending:
-                self.optimizer.zero_grad(set_to_none=self._zero_request)
-                self._zero_request = None
+                self._zero_requested()
+
+    def _zero_requested(self) -> None:
+        """Nothing is pending any more: the ``zero_grad()`` asked for since ``step()``, if any."""
+        if self._zero_request is not None:
+            self.optimizer.zero_grad(set_to_none=self._zero_request)
+            self._zero_request = None
 
     def _skip_pending(self) -> None:
         """Drop the rest of the deferred step (its averages were not finite): the engine has
@@ -226,9 +231,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         the next forward runs as after a skipped step (before, every later forward raised
         again)."""
         self._pending = []
-        if self._zero_request is not None:
-            self.optimizer.zero_grad(set_to_none=self._zero_request)
-            self._zero_request = None
+        self._zero_requested()
 
     def _step_only(self, params: Sequence[torch.nn.Parameter]) -> None:
         """One torch ``step()`` that updates only ``params`` (the others' gradients hidden)."""
