@@ -2,8 +2,8 @@
 examples/communication_tour.py``.
 
 Shows the buffer kinds heatlike accepts, in-place and strided buffers, half-precision sums with
-float32 accumulation, non-blocking requests, and node-local / cross-node communicators. Each rank
-logs what it sees (``HEATLIKE_LOG_RANKS=0`` keeps rank 0's lines only);
+float32 accumulation, non-blocking requests, and node-local / cross-node communicators. Rank 0 logs
+what it sees (``HEATLIKE_LOG_RANKS=all`` shows every rank's lines);
 ``HEATLIKE_RANKS_PER_NODE=2`` emulates nodes of two ranks on one machine.
 """
 

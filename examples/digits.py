@@ -41,15 +41,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16,
                    help="samples per rank and step (default 16)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
-                   help="the local optimizer: SGD with momentum 0.9 or Adam (default sgd)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"],
+                   help="the local optimizer: SGD with momentum 0.9 or Adam (default sgd; "
+                        "not with --algorithm, which brings its own)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--blocking", dest="blocking", action="store_true",
-                      help="update in step() (default: deferred to the next forward)")
+                      help="update in step() (default: deferred to the next forward; "
+                        "not with --algorithm)")
     mode.add_argument("--non-blocking", dest="blocking", action="store_false",
                       help="apply each update at the next forward, overlapping the gradient "
                            "all-reduces with computation (the default)")
-    p.set_defaults(blocking=False)
+    p.set_defaults(blocking=None)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the data split, the model and the batch order (default 0)")
     p.add_argument("--progress", action="store_true", help="tqdm bar per epoch on rank 0")
@@ -59,7 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--algorithm", choices=sorted(ALGORITHMS), metavar="NAME",
                    help="train with this algorithm of heatlike.recipes instead (see "
                         "below), e.g. powersgd-2, topk-1%%, decentralized")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.algorithm and (args.optimizer is not None or args.blocking is not None):
+        p.error("--optimizer, --blocking and --non-blocking choose DataParallel's local "
+                f"optimizer and mode; --algorithm {args.algorithm} brings its own (drop them, "
+                "or drop --algorithm)")
+    if args.optimizer is None:
+        args.optimizer = "sgd"
+    if args.blocking is None:
+        args.blocking = False
+    return args
 
 
 def load_data(seed: int):
@@ -82,9 +93,13 @@ def main(argv: list[str] | None = None) -> float:
         log.info("%d ranks on %d node(s) x batch %d, %s: %s, %d epochs, on %s", comm.size,
                  nodes, args.batch_size, args.algorithm, ALGORITHMS[args.algorithm][1],
                  args.epochs, device.type)
+        def report(point, loss: float) -> None:
+            log.info("epoch %2d/%d  loss %.4f  test accuracy %.4f", point.epoch, args.epochs,
+                     loss, point.accuracy)
+
         result = train_digits(args.algorithm, comm, epochs=args.epochs,
                               batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                              device=device)
+                              device=device, on_epoch=report, progress=args.progress)
         if comm.rank == 0:
             print(f"test accuracy: {result.accuracy:.4f}", flush=True)
         return result.accuracy
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> float:
              comm.size, nodes, args.batch_size, comm.size * args.batch_size, mode,
              args.optimizer, args.epochs, device.type)
     start = time.perf_counter()
-    accuracy = 0.0
+    accuracy = evaluate(model.eval(), x_test, y_test, comm) if args.epochs == 0 else 0.0
     for epoch in range(args.epochs):
         model.train()
         total = torch.zeros(2, dtype=torch.float64)

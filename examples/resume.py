@@ -37,6 +37,14 @@ def parameters_digest(model: torch.nn.Module, comm) -> str:
     return hashlib.sha256(b"".join(comm.handle.allgather(mine))).hexdigest()
 
 
+def non_negative(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     names = textwrap.fill(", ".join(sorted(ALGORITHMS)), 96, break_on_hyphens=False,
                           initial_indent="  ", subsequent_indent="  ")
@@ -45,19 +53,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--algorithm", default="allreduce", choices=sorted(ALGORITHMS),
                         metavar="NAME",
                         help="the algorithm to train with (default allreduce; see below)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs in all (default 3)")
+    parser.add_argument("--epochs", type=non_negative, default=3, help="epochs in all (default 3)")
     parser.add_argument("--batch-size", type=int, default=16,
                         help="samples per rank and step (default 16)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     parser.add_argument("--checkpoint", type=Path, default=Path("digits.ckpt"),
                         help="the checkpoint file, resumed from when it exists "
                              "(default digits.ckpt)")
-    parser.add_argument("--save-every", type=int, default=0,
+    parser.add_argument("--save-every", type=non_negative, default=0,
                         help="save every this many steps (default 0: only at the end)")
-    parser.add_argument("--stop-after", type=int, default=0,
+    parser.add_argument("--stop-after", type=non_negative, default=0,
                         help="save and stop after this step, as a preempted job (default 0: "
                              "never)")
-    parser.add_argument("--kill-at", type=int, default=0,
+    parser.add_argument("--kill-at", type=non_negative, default=0,
                         help="SIGKILL the last rank at this step, a crash between two saves "
                              "(default 0: never)")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",

@@ -532,14 +532,18 @@ class TrainResult:
 def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, seed: int = 0,
                curve: bool = True, target: float | None = None,
                device: torch.device | str | None = None,
-               on_runner: Callable[[Runner], None] | None = None) -> TrainResult:
+               on_runner: Callable[[Runner], None] | None = None,
+               on_epoch: Callable[[EpochPoint, float], None] | None = None,
+               progress: bool = False) -> TrainResult:
     """Train ``task``'s model with algorithm ``name`` for ``epochs`` epochs, or until the test
     accuracy reaches ``target`` (checked after every epoch), on ``device`` (default: the CPU; see
     :func:`heatlike.utils.select_device`). With ``curve``, every epoch ends with
     a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
     epoch times are measured between a barrier and the slowest rank's end). ``on_runner`` is
-    called with the :class:`Runner` before the first step (to inspect or instrument it). Returns
-    the final accuracy, every step's time on this rank and the mean bytes per step."""
+    called with the :class:`Runner` before the first step (to inspect or instrument it);
+    ``on_epoch`` (with ``curve``) after each epoch's evaluation, with its point and the mean of
+    the epoch's step losses over every rank; ``progress``: a tqdm bar per epoch on rank 0.
+    Returns the final accuracy, every step's time on this rank and the mean bytes per step."""
     from mpi4py import MPI as _MPI
 
     from .utils.data import DataLoader, Dataset
@@ -551,7 +555,8 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
     runner = make_runner(name, net, comm, task.lr, epochs)
     if on_runner is not None:
         on_runner(runner)
-    loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed)
+    loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed,
+                        progress=progress)
     times: list[float] = []
     points: list[EpochPoint] = []
     elapsed = 0.0
@@ -574,6 +579,10 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
         elapsed += comm.handle.allreduce(time.perf_counter() - epoch_start, op=_MPI.MAX)
         accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
         points.append(EpochPoint(epoch, elapsed, accuracy))
+        if on_epoch is not None:
+            local = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+            comm.Allreduce(_MPI.IN_PLACE, local, _MPI.SUM)
+            on_epoch(points[-1], float(local[0] / local[1]))
         if target is not None and accuracy >= target:
             break
     if accuracy is None:
@@ -584,10 +593,13 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
 def train_digits(name: str, comm: MPICommunication, epochs: int = 10, batch_size: int = 16,
                  lr: float = 0.05, seed: int = 0, hidden: tuple[int, int] = (128, 64),
                  data=None, curve: bool = False,
-                 device: torch.device | str | None = None) -> TrainResult:
+                 device: torch.device | str | None = None,
+                 on_epoch: Callable[[EpochPoint, float], None] | None = None,
+                 progress: bool = False) -> TrainResult:
     """Train the digits MLP with algorithm ``name`` on ``device``; the final test accuracy, every
     step's time and the mean bytes per step (and, with ``curve``, the accuracy after every
-    epoch)."""
+    epoch, reported to ``on_epoch`` as in :func:`train_task`)."""
     task = digits_task(seed, data, hidden)
     task.batch_size, task.lr = batch_size, lr
-    return train_task(name, comm, task, epochs, seed, curve=curve, device=device)
+    return train_task(name, comm, task, epochs, seed, curve=curve or on_epoch is not None,
+                      device=device, on_epoch=on_epoch, progress=progress)

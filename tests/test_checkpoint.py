@@ -420,6 +420,35 @@ def test_an_engine_that_does_not_fit_changes_nothing(comm, tmp_path):
     assert _same(_everything(other.runner.model, other.runner.optimizer, other.loader), before)
 
 
+@pytest.mark.parametrize("saved,loaded", [("allreduce", "powersgd-2"),
+                                          ("powersgd-2", "allreduce"),
+                                          ("topk-1%", "allreduce-nonblocking")])
+def test_an_engine_of_another_object_does_not_fit(comm, tmp_path, saved, loaded):
+    """DataParallel keeps its engine in the wrapper, the presets in the optimizer: a checkpoint
+    of one loaded into the other is refused on every rank when the wire formats differ or the
+    saved engine kept memory (residuals) that has nowhere to go (before: loaded, PowerSGD's
+    residuals dropped or plain DataParallel's run continued as PowerSGD)."""
+    path = _saved_loop(comm, tmp_path, saved)
+    other = Loop(loaded, comm)
+    other.run(2)
+    before = _everything(other.runner.model, other.runner.optimizer, other.loader)
+    with pytest.raises(CheckpointError, match="wire format|engine state"):
+        other.load(path)
+    assert _same(_everything(other.runner.model, other.runner.optimizer, other.loader), before)
+
+
+def test_a_stateless_engine_moves_between_wrapper_and_optimizer(comm, tmp_path):
+    """Plain averaging saved by DataParallel loads into CentralizedSGD (the same wire format,
+    no memory): the model and the torch optimizer's state come back."""
+    path = _saved_loop(comm, tmp_path, "allreduce")
+    other = Loop("centralized-sgd", comm)
+    other.load(path)
+    twin = Loop("allreduce", comm)
+    twin.load(path)
+    for a, b in zip(other.runner.model.parameters(), twin.runner.model.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_keyword_object_that_does_not_fit_changes_nothing(comm, tmp_path):
     """A keyword object missing from the checkpoint is refused before anything changes; a data
     loader whose load_state_dict refuses the saved state (another seed), after the model, its

@@ -234,3 +234,35 @@ def test_singa_rmsprop_and_adagrad_formulas():
     with pytest.raises(ValueError):
         singa.RMSProp([nn.Parameter(p0.clone())], lr=-1)
     assert math.isfinite(float(p.detach().sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_threshold_counts_elements_whatever_the_dtype(comm, dtype):
+    """Fused buffers of at most ``threshold`` elements for every dtype, and partial mode's
+    partitions alike (before: a byte cap of 4 * threshold, so float64 models got buffers of half
+    the elements and bfloat16 ones twice as many, above buffSize). Layers of 6*10, 10, 10*3, 3
+    elements: [43, 60] with threshold 60."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).to(dtype)
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm, buffSize=60)
+    x, y = _data(comm.rank, 4)
+    dist.backward_and_update(nn.functional.cross_entropy(net(x.to(dtype)).float(), y),
+                             threshold=60)
+    sizes = [b.size for b in dist._sync("fused", 60).buckets]
+    assert sorted(sizes) == [43, 60]
+    dist.backward_and_partial_update(nn.functional.cross_entropy(net(x.to(dtype)).float(), y),
+                                     threshold=60)
+    assert sorted(b.size for b in dist._partitions[60].buckets) == [43, 60]
+
+
+def test_a_parameter_group_it_was_not_built_with_is_refused(comm):
+    """DistOpt averages the parameters it was built with: a group of others raises ValueError on
+    every rank (before: trained with each rank's own gradient)."""
+    body, head = _net(1), nn.Linear(3, 3)
+    dist = DistOpt(torch.optim.SGD(body.parameters(), lr=0.1), comm)
+    with pytest.raises(ValueError, match="not among them"):
+        dist.add_param_group({"params": head.parameters()})
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+    dist.add_param_group({"params": [frozen], "lr": 0.0})  # never trained: accepted
+    assert len(dist.param_groups) == 2
+

@@ -206,6 +206,32 @@ JOBS = textwrap.dedent("""
             with Join([model]):
                 step(model, opt)
             say("joined alone")
+        elif case == "late-at-nonzero":  # an operation exchanging Python objects
+            x = hl.array(torch.arange(8), split=0)
+            x.sum()
+            if comm.rank == 1:
+                fault()
+                time.sleep(12)
+            say("nonzero", hl.nonzero(x).gshape)
+        elif case == "mask-against-sum":  # different operations, check mode
+            x = hl.array(torch.arange(8.0), split=0)
+            x.sum()
+            fault()
+            say("got", x.sum().item() if comm.rank == 1 else x[x > 2].gshape)
+        elif case == "distopt-threshold-differs":  # a new fusion plan on rank 0 only
+            from heatlike.optim import DistOpt
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(),
+                                      torch.nn.Linear(10, 3))
+            dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+            x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+            dist.backward_and_update(torch.nn.functional.cross_entropy(net(x), y), threshold=20)
+            if comm.rank == 0:
+                time.sleep(2)  # the other rank enters its reused plan first
+            fault()
+            dist.backward_and_update(torch.nn.functional.cross_entropy(net(x), y),
+                                     threshold=30 if comm.rank == 0 else 20)
+            say("stepped")
         elif case.startswith("uneven-eval"):  # uneven-eval-{blocking,deferred}[-join]
             model, opt = training(blocking="blocking" in case)
             steps = 6 - (comm.rank == 1)
@@ -265,6 +291,39 @@ def test_timeout_covers_the_setup_before_a_communicators_first_collective(tmp_pa
                             "not complete within 3 s (HEATLIKE_COMM_TIMEOUT)"), out
     assert "first collective heatlike runs on this communicator" in error, out
     assert "rank 0: sum" not in out, out
+
+
+def test_timeout_covers_operations_that_exchange_python_objects(tmp_path):
+    """nonzero, boolean masks, is_split and the like exchange counts as Python objects: their
+    waits honour HEATLIKE_COMM_TIMEOUT too (before: rank 0 waited the full 20 s)."""
+    code, out, _ = _fault_job(tmp_path, "late-at-nonzero", env={"HEATLIKE_COMM_TIMEOUT": "3"})
+    fault = float(re.findall(r"FAULT ([0-9.]+)$", out, re.M)[0])
+    raised = float(re.findall(r"ERROR 0 ([0-9.]+)$", out, re.M)[0])
+    assert code != 0 and 2.5 < raised - fault < 8, out
+    error = _raised(out, 0)
+    assert error.startswith("TimeoutError: allgather on MPICommunication(rank=0, size=2) did "
+                            "not complete within 3 s"), out
+    assert "ranks [1] have not arrived" in error, out
+
+
+def test_check_mode_compares_object_exchanges_with_other_collectives(tmp_path):
+    """HEATLIKE_CHECK: one rank indexing with a mask (an exchange of objects) while another sums
+    raises ValueError on both (before: both waited forever)."""
+    code, out, to_end = _fault_job(tmp_path, "mask-against-sum", env={"HEATLIKE_CHECK": "1"})
+    assert code != 0 and to_end < 15, out
+    for rank in (0, 1):
+        assert _raised(out, rank).startswith("ValueError: ranks call different collectives"), out
+
+
+def test_a_fusion_threshold_new_on_one_rank_raises_everywhere(tmp_path):
+    """DistOpt: rank 0 builds a new fusion plan (another threshold) while rank 1 reuses its
+    own, whose second cycle re-plans its buckets: both raise, plainly launched (before: rank 1
+    waited forever in an unchecked broadcast)."""
+    code, out, to_end = _fault_job(tmp_path, "distopt-threshold-differs")
+    assert code != 0 and to_end < 20, out
+    for rank in (0, 1):
+        _raised(out, rank)
+    assert "stepped" not in out, out
 
 
 @pytest.mark.parametrize("rma", [False, True], ids=["shm", "rma"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 from . import checks as _checks
 from .communication import MPICommunication, sanitize_comm
 
-__all__ = ["raise_together", "agree_on"]
+__all__ = ["raise_together", "agree_on", "gather_or_raise"]
 
 _ALLOWED = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError,
             "FloatingPointError": FloatingPointError, "FileNotFoundError": FileNotFoundError}
@@ -29,7 +29,24 @@ def raise_together(error: Exception | None, comm: MPICommunication | None = None
     RuntimeError) and its message, prefixed with that rank."""
     comm = sanitize_comm(comm)
     mine = None if error is None else (type(error).__name__, str(error))
-    verdicts = _checks.gather_objects(comm, mine, "raise_together")
+    _raise_first(_checks.gather_objects(comm, mine, "raise_together"), comm, error, kinds)
+
+
+def gather_or_raise(payload: object, error: Exception | None,
+                    comm: MPICommunication | None = None, what: str = "allgather") -> list:
+    """Collective: every rank's ``payload`` in rank order (an allgather), or, where any rank
+    passes an ``error`` instead, that error raised on every rank as :func:`raise_together`
+    does. For a check whose failure must travel with data the ranks exchange anyway: one
+    collective, not two."""
+    comm = sanitize_comm(comm)
+    mine = (None, payload) if error is None else ((type(error).__name__, str(error)), None)
+    gathered = _checks.gather_objects(comm, mine, what)
+    _raise_first([verdict for verdict, _ in gathered], comm, error, ())
+    return [data for _, data in gathered]
+
+
+def _raise_first(verdicts: list, comm: MPICommunication, error: Exception | None,
+                 kinds: tuple[type[Exception], ...]) -> None:
     for rank, verdict in enumerate(verdicts):
         if verdict is not None:
             kind, message = verdict

@@ -650,23 +650,28 @@ def gather_objects(comm, obj: object, what: str) -> list:
     once the communicator has a board (the same on every rank), it runs as two non-blocking
     all-gathers (sizes, then bytes) waited for like any heatlike collective: the deadline, and
     ranks known to have ended raise instead of blocking; on a board it takes a position and is
-    verified like a collective the program calls. Otherwise it is mpi4py's allgather."""
+    verified like a collective the program calls. Otherwise it is mpi4py's allgather. Each
+    rank's ``what`` travels with its object: ranks that met here from different calls (one
+    agreeing on settings, another re-planning buckets) raise RuntimeError on every rank, naming
+    each rank's call."""
     board = comm._hub.board
     board = board if board is not None and board.established and not board.closed else None
     if board is None and not watching():
-        return comm.handle.allgather(obj)
+        return _same_call(comm.handle.allgather((what, obj)), comm)
     label = lambda: f"{what} on {comm!r}"  # noqa: E731
     seq = 0
     if board is not None:  # a collective position like any other (module docstring)
         seq = board.arrive(_AGREEMENT)
         if comm._hub.watched:
             board.verify(label)
+        if _state["check"]:  # check mode: compared with the other ranks' calls like any other
+            board.check((_code(_AGREEMENT), 0, -1, -1, -1))
 
     def watch() -> None:
         if board is None:
             _raise_if_ended(comm.handle, comm.rank, label())
 
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    data = np.frombuffer(pickle.dumps((what, obj)), dtype=np.uint8)
     sizes = np.zeros(comm.size, dtype=np.int64)
     wait(comm.handle.Iallgather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
                                 [sizes, MPI.INT64_T]), label, board, seq, watch=watch)
@@ -675,7 +680,20 @@ def gather_objects(comm, obj: object, what: str) -> list:
     wait(comm.handle.Iallgatherv([data, MPI.BYTE],
                                  [everyone, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
          label, board, seq, watch=watch)
-    return [pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
+    return _same_call([pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)],
+                      comm)
+
+
+def _same_call(gathered: list[tuple[str, object]], comm) -> list:
+    """The objects of :func:`gather_objects`, once every rank is known to have called it from the
+    same place (the same ``what``)."""
+    calls = [what for what, _ in gathered]
+    if len(set(calls)) > 1:
+        shown = "; ".join(f"rank {r}: {what}" for r, what in enumerate(calls))
+        raise RuntimeError(f"the {comm.size} ranks of a communicator met in different "
+                           f"collective calls ({shown}): the program took a different path on "
+                           "some ranks")
+    return [obj for _, obj in gathered]
 
 
 def describe(signature) -> str:

@@ -692,6 +692,54 @@ class MPICommunication:
             raise AttributeError(name)
         return getattr(self.handle, name)
 
+    # -- collectives of Python objects (mpi4py's lowercase calls, under heatlike's checks) -----
+
+    def allgather(self, obj: object) -> list:
+        """Collective: every rank's ``obj`` in rank order (mpi4py's ``allgather``). Unlike the
+        raw mpi4py call it is watched like heatlike's own collectives: ``HEATLIKE_COMM_TIMEOUT``
+        and ranks known to have ended raise instead of blocking, and a rank that meets another
+        rank's different call here raises on every rank (:func:`heatlike.core.checks.
+        gather_objects`)."""
+        return self._objects(obj, "allgather")
+
+    def bcast(self, obj: object = None, root: int = 0) -> object:
+        """Collective: ``root``'s ``obj`` on every rank (mpi4py's ``bcast``), watched as
+        :meth:`allgather` is. Meant for small objects (settings, seeds, verdicts): every rank's
+        argument travels to every rank."""
+        return self._objects(obj if self.rank == root else None, f"bcast(root={root})")[root]
+
+    def allreduce(self, obj: object, op: MPI.Op = MPI.SUM) -> object:
+        """Collective: ``obj`` combined over the ranks with ``op`` (mpi4py's ``allreduce``),
+        watched as :meth:`allgather` is. Python ints, floats and bools under the predefined
+        arithmetic and logical operations take one checked ``Allreduce`` of a scalar; any other
+        object is gathered and combined in rank order with ``op``."""
+        name = _op_name(op)
+        if self.size == 1:
+            return obj
+        scalar = type(obj) in (int, float, bool) and name is not None and \
+            (type(obj) is not float or name in ("SUM", "PROD", "MAX", "MIN"))
+        if scalar:
+            if type(obj) is int and not -(1 << 63) <= obj < (1 << 63):
+                scalar = False
+        if scalar:
+            dtype = np.float64 if type(obj) is float else np.int64
+            value = np.array([obj], dtype=dtype)
+            self.Allreduce(MPI.IN_PLACE, value, op)
+            result = value[0].item()
+            return bool(result) if type(obj) is bool else result
+        gathered = self._objects(obj, f"allreduce({name or 'op'})")
+        result = gathered[0]
+        for other in gathered[1:]:
+            result = op(result, other)
+        return result
+
+    def _objects(self, obj: object, what: str) -> list:
+        if self.size == 1:
+            return [obj]
+        if _checks.checking():
+            self._arrival_board(what)
+        return _checks.gather_objects(self, obj, what)
+
     def _arrival_board(self, before: str = "a collective") -> _checks.Board | None:
         """The board of this communicator (``heatlike.core.checks``), None with a single rank.
         Collective on first use, before the collective ``before``: set up by the first
@@ -1723,6 +1771,15 @@ def __getattr__(name: str):
         return bool(cuda_aware.cuda_aware())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+# predefined operations the object collectives name (and reduce as scalars)
+_OBJECT_OPS = [(MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MAX, "MAX"), (MPI.MIN, "MIN"),
+               (MPI.LOR, "LOR"), (MPI.LAND, "LAND"), (MPI.BOR, "BOR"), (MPI.BAND, "BAND")]
+
+
+def _op_name(op: MPI.Op) -> str | None:
+    """The name of a predefined operation of :data:`_OBJECT_OPS` (None for any other)."""
+    return next((name for known, name in _OBJECT_OPS if op == known), None)
 
 MPI_WORLD = MPICommunication(MPI.COMM_WORLD)
 MPI_SELF = MPICommunication(MPI.COMM_SELF)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import distribution
+from .agreement import gather_or_raise
 from .communication import MPICommunication, sanitize_comm
 from .devices import device_name, sanitize_device, torch_device
 from .types import canonical_dtype
@@ -92,9 +93,17 @@ class DNDarray:
                  counts: Sequence[int] | None = None) -> None:
         if not isinstance(larray, torch.Tensor):
             raise TypeError(f"larray must be a torch.Tensor, got {type(larray).__name__}")
-        canonical_dtype(larray.dtype)
         comm = sanitize_comm(comm)
-        split = _normalize_split(split, larray.ndim)
+        requested, error = split, None
+        try:
+            canonical_dtype(larray.dtype)
+            split = _normalize_split(split, larray.ndim)
+        except (TypeError, ValueError) as bad:
+            error = bad
+        if error is not None:
+            if requested is not None and counts is None:  # the others exchange shapes now
+                gather_or_raise(None, error, comm, "DNDarray: the local shapes")
+            raise error
         if split is None:
             gshape = tuple(larray.shape) if gshape is None else tuple(int(s) for s in gshape)
             if gshape != tuple(larray.shape):
@@ -103,7 +112,8 @@ class DNDarray:
             counts_t = None
         else:
             if counts is None:
-                shapes = comm.allgather(tuple(larray.shape))
+                shapes = gather_or_raise(tuple(larray.shape), None, comm,
+                                         "DNDarray: the local shapes")
                 counts = [s[split] for s in shapes]
                 others = {s[:split] + s[split + 1:] for s in shapes}
                 if len(others) != 1:

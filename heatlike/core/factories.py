@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import distribution
+from .agreement import gather_or_raise
 from .communication import MPICommunication, sanitize_comm
 from .devices import sanitize_device, torch_device
 from .dndarray import DNDarray, _normalize_split
@@ -139,24 +140,36 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
     dev = torch_device(sanitize_device(device))
     if split is not None:
         _normalize_split(split, 1 << 30)  # type errors first; the range is checked below
-    t = _as_local_tensor(obj, dt if not isinstance(obj, (torch.Tensor, np.ndarray,
-                                                         np.generic)) else None)
-    canonical_dtype(t.dtype)
-    shares = isinstance(obj, (torch.Tensor, np.ndarray))
-    if dt is not None and t.dtype is not dt:
-        if copy is False and shares:
-            raise ValueError(f"copy=False: converting {t.dtype} to {dt} needs a copy")
-        t = t.to(dt)
-        shares = False
-    while t.ndim < abs(int(ndmin)):
-        t = t.unsqueeze(0) if ndmin > 0 else t.unsqueeze(-1)
-    if t.device != dev:
-        if copy is False and shares:
-            raise ValueError("copy=False: moving the data to another device needs a copy")
-        t = t.to(dev)
-        shares = False
-    if is_split is not None:
-        meta = comm.allgather((tuple(t.shape), str(t.dtype)))
+
+    def local() -> tuple[torch.Tensor, bool]:
+        t = _as_local_tensor(obj, dt if not isinstance(obj, (torch.Tensor, np.ndarray,
+                                                             np.generic)) else None)
+        canonical_dtype(t.dtype)
+        shares = isinstance(obj, (torch.Tensor, np.ndarray))
+        if dt is not None and t.dtype is not dt:
+            if copy is False and shares:
+                raise ValueError(f"copy=False: converting {t.dtype} to {dt} needs a copy")
+            t = t.to(dt)
+            shares = False
+        while t.ndim < abs(int(ndmin)):
+            t = t.unsqueeze(0) if ndmin > 0 else t.unsqueeze(-1)
+        if t.device != dev:
+            if copy is False and shares:
+                raise ValueError("copy=False: moving the data to another device needs a copy")
+            t = t.to(dev)
+            shares = False
+        return t, shares
+
+    if is_split is None:
+        t, shares = local()
+    else:  # each rank's own piece: one that cannot be taken fails on every rank, named
+        error = None
+        try:
+            t, shares = local()
+        except (TypeError, ValueError, RuntimeError) as bad:
+            error = bad
+        meta = gather_or_raise(None if error else (tuple(t.shape), str(t.dtype)), error, comm,
+                               "array(is_split=...): the pieces' shapes")
         ndims = {len(s) for s, _ in meta}
         if len(ndims) != 1:
             raise ValueError(f"is_split: the local pieces have different numbers of dimensions: "
@@ -516,11 +529,19 @@ def from_dlpack(x: object, is_split: int | None = None,
     communication). ``is_split=k``: ``x`` is this rank's piece of an array concatenated along
     ``k`` (one ``allgather`` of the pieces' shapes and dtypes, as in :func:`array`). A
     distributed DNDarray has no single buffer: ``BufferError``."""
+    comm = sanitize_comm(comm)
+    if is_split is not None:  # array() checks each rank's piece on every rank
+        error = None
+        try:
+            t = _tensor_from_dlpack(x)
+        except (TypeError, BufferError) as bad:
+            error = bad
+        if error is not None:
+            gather_or_raise(None, TypeError(str(error)), comm,
+                            "array(is_split=...): the pieces' shapes")
+        return array(t, copy=False, is_split=is_split, device=t.device.type, comm=comm)
     t = _tensor_from_dlpack(x)
     canonical_dtype(t.dtype)
-    comm = sanitize_comm(comm)
-    if is_split is not None:
-        return array(t, copy=False, is_split=is_split, device=t.device.type, comm=comm)
     return DNDarray._make(t, tuple(t.shape), None, None, comm)
 
 
@@ -537,8 +558,9 @@ def from_partition_dict(parted: dict, comm: MPICommunication | None = None) -> D
     At most one axis may be tiled (DNDarrays have one split axis), and the ranks must hold the
     tiles in rank order (rank 0 the first ones along that axis, ...), each rank a contiguous run;
     a tiling of 1 everywhere whose one partition every rank holds gives a replicated array.
-    Every rank reads the layout from the same metadata: no communication. Missing keys or a
-    layout that cannot be represented raise ``RuntimeError`` on every rank."""
+    Every rank reads the layout from the same metadata; for a split layout one small allgather
+    checks each rank's data against it (shape and dtype). Missing keys, a layout that cannot be
+    represented or data that contradicts it on any rank raise ``RuntimeError`` on every rank."""
     comm = sanitize_comm(comm)
     if not isinstance(parted, dict):
         raise TypeError(f"from_partition_dict expects a dict, got {type(parted).__name__}")
@@ -587,22 +609,36 @@ def from_partition_dict(parted: dict, comm: MPICommunication | None = None) -> D
                            f"{split}")
     mine_set = set(mine)
     local = [parts[k] for k in keys if tuple(k) in mine_set]
-    tensors = []
-    for p in local:
-        data = get(p["data"])
-        t = data if isinstance(data, torch.Tensor) else _tensor_from_dlpack(data)
-        tensors.append(t)
-    if not tensors:
-        lshape = list(shape)
-        lshape[split] = 0
-        named = [parts[k]["dtype"] for k in keys if "dtype" in parts[k]]
-        dt = canonical_dtype(named[0]) if named else torch.get_default_dtype()
-        t = torch.empty(lshape, dtype=dt)
-    else:
+
+    def local_tensor() -> torch.Tensor:
+        tensors = []
+        for p in local:
+            data = get(p["data"])
+            tensors.append(data if isinstance(data, torch.Tensor) else _tensor_from_dlpack(data))
+        if not tensors:
+            lshape = list(shape)
+            lshape[split] = 0
+            named = [parts[k]["dtype"] for k in keys if "dtype" in parts[k]]
+            dt = canonical_dtype(named[0]) if named else torch.get_default_dtype()
+            return torch.empty(lshape, dtype=dt)
         t = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=split)
-    if t.shape[split] != counts[comm.rank]:
-        raise RuntimeError(f"rank {comm.rank} holds {t.shape[split]} indices of axis {split}, "
-                           f"the partitions say {counts[comm.rank]}")
+        canonical_dtype(t.dtype)
+        if tuple(t.shape[:split] + t.shape[split + 1:]) != shape[:split] + shape[split + 1:] \
+                or t.shape[split] != counts[comm.rank]:
+            raise RuntimeError(f"rank {comm.rank} holds data of shape {tuple(t.shape)}, the "
+                               f"partitions say {counts[comm.rank]} indices of axis {split} of "
+                               f"{shape}")
+        return t
+
+    error, t = None, None
+    try:
+        t = local_tensor()
+    except (TypeError, ValueError, RuntimeError, BufferError) as bad:
+        error = RuntimeError(str(bad))
+    dtypes = gather_or_raise(None if error else str(t.dtype), error, comm,
+                             "from_partition_dict: the local data")
+    if len(set(dtypes)) > 1:
+        raise RuntimeError(f"the ranks' partitions have different dtypes: {dtypes}")
     return DNDarray._make(t, shape, split, counts, comm)
 
 

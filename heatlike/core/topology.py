@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
+from .agreement import gather_or_raise
 from .communication import MPICommunication, sanitize_comm
 from .env import env_int, env_int_list
 
@@ -56,14 +57,17 @@ def _normalize(ids: Sequence[int]) -> list[int]:
 def detect_node_ids(comm: MPICommunication) -> list[int]:
     """Collective: the node id of every rank of ``comm`` (overrides, then shared memory)."""
     ids = _env_node_ids(comm.size)
-    if ids is None:
-        shared = comm.handle.Split_type(MPI.COMM_TYPE_SHARED, comm.rank)
-        try:
-            leader = shared.allreduce(comm.rank, op=MPI.MIN)
-        finally:
-            shared.Free()
-        ids = comm.handle.allgather(leader)
-    return _normalize(ids)
+    return _normalize(ids) if ids is not None else _shared_memory_node_ids(comm)
+
+
+def _shared_memory_node_ids(comm: MPICommunication) -> list[int]:
+    """Collective: node ids from the groups of ranks that share memory."""
+    shared = comm.handle.Split_type(MPI.COMM_TYPE_SHARED, comm.rank)
+    try:
+        leader = shared.allreduce(comm.rank, op=MPI.MIN)
+    finally:
+        shared.Free()
+    return _normalize(comm.allgather(leader))
 
 
 @dataclass(eq=False)
@@ -82,19 +86,30 @@ class Topology:
     def __post_init__(self) -> None:
         self.comm = sanitize_comm(self.comm)
         comm = self.comm
-        if self.cross_method not in ("split", "group"):
-            raise ValueError(f"cross_method must be 'split' or 'group', got {self.cross_method!r}")
-        if self.node_ids:
-            if len(self.node_ids) != comm.size:
-                raise ValueError(f"node_ids lists {len(self.node_ids)} ranks but the "
-                                 f"communicator has {comm.size}")
-            ids = _normalize(self.node_ids)
-        else:
-            ids = detect_node_ids(comm)
-        # every rank must see the same layout, or the splits below would not match
-        if len(set(comm.handle.allgather(tuple(ids)))) != 1:
+        error, ids = None, None
+        try:
+            if self.cross_method not in ("split", "group"):
+                raise ValueError(f"cross_method must be 'split' or 'group', got "
+                                 f"{self.cross_method!r}")
+            if self.node_ids:
+                if len(self.node_ids) != comm.size:
+                    raise ValueError(f"node_ids lists {len(self.node_ids)} ranks but the "
+                                     f"communicator has {comm.size}")
+                ids = _normalize(self.node_ids)
+            else:
+                ids = _env_node_ids(comm.size)
+                ids = None if ids is None else _normalize(ids)
+        except ValueError as bad:
+            error = bad
+        # every rank must see the same layout, or the splits below would not match: the given
+        # or configured layouts (None: from shared memory), or any rank's error, on every rank
+        layouts = gather_or_raise(None if ids is None else tuple(ids), error, comm,
+                                  "Topology: the node layout")
+        if len(set(layouts)) != 1:
             raise ValueError("ranks disagree on the node layout (check HEATLIKE_NODE_IDS / "
                              "HEATLIKE_RANKS_PER_NODE are the same everywhere)")
+        if ids is None:
+            ids = _shared_memory_node_ids(comm)
         self.node_ids = tuple(ids)
         self.node = ids[comm.rank]
         self.num_nodes = max(ids) + 1

@@ -200,7 +200,7 @@ class Bucket:
 def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
                  first_cap_bytes: int | None = None, flags: bool = True,
                  sizes: Sequence[int] | None = None,
-                 solo_bytes: int | None = None) -> list[Bucket]:
+                 solo_bytes: int | None = None, per_element: bool = False) -> list[Bucket]:
     """Group ``params`` into buckets in the given order.
 
     A bucket holds parameters of one dtype and device and at most ``cap_bytes`` of them (a single
@@ -214,7 +214,8 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     cap of others. Such plans are ordered by the buckets' last parameters: the order in which they
     fill when gradients arrive in the given order. Every rank calling this with the same parameter
     list gets the same plan. ``sizes`` (a restored plan) gives the number of parameters of each
-    bucket instead: bucket k holds the next ``sizes[k]`` parameters.
+    bucket instead: bucket k holds the next ``sizes[k]`` parameters. ``per_element``: the caps count
+    elements, not bytes (SINGA's fused buffers, sized in elements whatever the dtype).
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
@@ -234,7 +235,7 @@ def plan_buckets(params: Iterable[torch.nn.Parameter], cap_bytes: int,
     open_groups: dict[tuple, list] = {}
     for position, p in enumerate(params):
         key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
+        nbytes = p.numel() if per_element else p.numel() * p.element_size()
         if solo_bytes is not None and nbytes >= solo_bytes:
             groups.append([p])
             last.append(position)

@@ -221,7 +221,8 @@ class GradientSync:
     over memory MPI reads directly, parameters of at least :data:`INPLACE_MIN_BYTES`
     (``HEATLIKE_INPLACE_MIN_KB`` KiB where set) get buckets of their own and their gradients
     are summed in ``.grad`` (module docstring, "Sums in place"); False plans buckets by the caps
-    alone (DistOpt: SINGA's fused buffers).
+    alone (DistOpt: SINGA's fused buffers). ``cap_numel``: every bucket holds at most this many
+    elements (whatever their dtype) instead of the caps in MB.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
@@ -232,7 +233,7 @@ class GradientSync:
                  grad_as_bucket_view: bool = True, hooks: bool = True, seed: int = 0,
                  check_finite: bool = False, names: Sequence[str] | None = None,
                  fold_division: bool = False, concurrent_buckets: int | None = None,
-                 inplace: bool = True) -> None:
+                 inplace: bool = True, cap_numel: int | None = None) -> None:
         self.comm = sanitize_comm(comm)
         error = None
         try:
@@ -253,7 +254,9 @@ class GradientSync:
         self.grad_as_bucket_view = grad_as_bucket_view
         self.seed = seed
         self.params = [p for p in params if p.requires_grad]
-        self._caps = (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
+        self._per_element = cap_numel is not None
+        self._caps = (cap_numel, cap_numel) if cap_numel is not None else \
+            (int(bucket_cap_mb * MiB), int(first_bucket_mb * MiB))
         staged_params = any(staged(p) for p in self.params)
         # the plan gives large parameters buckets of their own where their gradients can be
         # summed in place (the reducer may change later: _begin decides per cycle)
@@ -326,7 +329,8 @@ class GradientSync:
 
     def _plan(self, order: list[torch.nn.Parameter], sizes: list[int] | None = None) -> None:
         self.buckets: list[Bucket] = plan_buckets(order, *self._caps, sizes=sizes,
-                                                  solo_bytes=self._solo_bytes)
+                                                  solo_bytes=self._solo_bytes,
+                                                  per_element=self._per_element)
         self._where = {id(p): (b.index, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._ready = [0] * len(self.buckets)
@@ -351,7 +355,8 @@ class GradientSync:
         observed gradient order."""
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        order = self.comm.handle.bcast(order, root=0)
+        order = _checks.gather_objects(self.comm, order if self.comm.rank == 0 else None,
+                                       "the bucket re-plan (rank 0's gradient order)")[0]
         self._plan([self.params[i] for i in order])
         # the new plan may have another number of buckets; each has had one exchange per cycle
         self._exchanges = [self._cycles - 1] * len(self.buckets)

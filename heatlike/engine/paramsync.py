@@ -30,14 +30,16 @@ class ParameterSync:
 
     def __init__(self, tensors: Sequence[torch.Tensor], comm: MPICommunication | None = None,
                  codec: Codec | None = None, reducer: Reducer | None = None,
-                 bucket_cap_mb: float = 25.0, seed: int = 0) -> None:
+                 bucket_cap_mb: float = 25.0, seed: int = 0,
+                 cap_numel: int | None = None) -> None:
         self.comm = sanitize_comm(comm)
         self.tensors = [t for t in tensors]
-        cap = max(1, int(bucket_cap_mb * MiB))
+        cap = max(1, int(bucket_cap_mb * MiB) if cap_numel is None else cap_numel)
         agree_on({"tensors": [(tuple(t.shape), str(t.dtype)) for t in self.tensors],
-                  "bucket cap": cap, "codec": repr(codec), "seed": seed}, self.comm,
-                 "the parameter synchronization")
-        self.buckets = plan_buckets(self.tensors, cap, cap, flags=False)
+                  "bucket cap": (cap, cap_numel is not None), "codec": repr(codec),
+                  "seed": seed}, self.comm, "the parameter synchronization")
+        self.buckets = plan_buckets(self.tensors, cap, cap, flags=False,
+                                    per_element=cap_numel is not None)
         self.codec = codec if codec is not None else Identity()
         self.reducer = reducer if reducer is not None else AllReduce(self.comm)
         self.seed = seed

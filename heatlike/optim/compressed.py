@@ -101,8 +101,12 @@ class _UpdateSync(torch.optim.Optimizer):
                  bucket_cap_mb: float = 1e-6) -> None:
         comm = sanitize_comm(comm)
         error = _check_lr(defaults.get("lr", required)) or world_size_error(world_size, comm)
+        if error is None:
+            try:  # torch's own checks of the parameters, shared like the others
+                super().__init__(params, defaults)
+            except (TypeError, ValueError) as bad:
+                error = bad
         raise_together(error, comm)
-        super().__init__(params, defaults)
         self.comm = comm
         self.world_size = comm.size
         plist = [p for g in self.param_groups for p in g["params"]]

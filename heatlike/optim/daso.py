@@ -80,7 +80,7 @@ from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
 from ..engine.replicas import average_tensors, broadcast_tensors
 from ..nn.buffers import ModuleBuffers
-from .wrapping import WrappedOptimizer, unsynchronized_grads
+from .wrapping import WrappedOptimizer, materialized_group, synchronized_check, unsynchronized_grads
 
 __all__ = ["DASO", "PlateauDetector"]
 
@@ -200,6 +200,10 @@ class DASO(WrappedOptimizer):
         # was averaged inside the node (each rank then computes its own shard of a sync, with
         # the member's buffers)
         self._node_agrees = False
+        # the ranks of this node hold the same optimizer state: no batch since the warmup was
+        # stepped with a rank's own gradients (after one, a merge equalizes the parameters but
+        # momentum and the like stay apart, so _node_agrees cannot hold again)
+        self._node_states_agree = False
         # every rank holds the same parameters, buffers and optimizer state (from set_model's
         # broadcast until the warmup ends): the gradient warmup keeps them so
         self._replicas_agree = False
@@ -218,6 +222,19 @@ class DASO(WrappedOptimizer):
     @property
     def params_ref(self) -> list[torch.nn.Parameter]:
         return [p for g in self.local_optimizer.param_groups for p in g["params"]]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective once DASO has its model: it synchronizes the module's parameters, so a
+        group of other trainable parameters raises ValueError on every rank."""
+        if self.__dict__.get("module") is None:  # not yet wrapped: set_model checks
+            super().add_param_group(param_group)
+            return
+        group = materialized_group(param_group)
+        synchronized = [t for t in self._tensors if isinstance(t, torch.nn.Parameter)]
+        error, _ = synchronized_check(group.get("params", []), synchronized,
+                                      "DASO (over DataParallelMultiGPU's module)")
+        raise_together(error, self.comm)
+        super().add_param_group(group)
 
     def add_scaler(self, scaler) -> None:
         """Step through ``scaler`` (``torch.amp.GradScaler``); a step is skipped on every rank when
@@ -241,18 +258,24 @@ class DASO(WrappedOptimizer):
         self._set_epoch_parameters()
 
     def set_model(self, model: torch.nn.Module) -> None:
-        """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU)."""
+        """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU;
+        collective): every trainable parameter of the optimizer must be one of them."""
+        error, _ = synchronized_check(self.params_ref,
+                                      [p for p in model.parameters() if p.requires_grad],
+                                      "DASO (over DataParallelMultiGPU's module)")
+        raise_together(error, self.comm)
         self.module = model
         self._module_buffers = ModuleBuffers(model)
         self._buffers = self._float_buffers()
         self._tensors = [p for p in model.parameters() if p.requires_grad] + self._buffers
         self._frozen = [p for p in model.parameters() if not p.requires_grad]  # never synced
-        self._replicas_agree = self._node_agrees = True
+        self._replicas_agree = self._node_agrees = self._node_states_agree = True
         size = sum(t.numel() for t in self._tensors)
         device = self._tensors[0].device if self._tensors else torch.device("cpu")
-        self._ref = comm_buffer(size, torch.float32, device)
+        self._ref = comm_buffer(size, self._ref_dtype(), device)
         if self._tensors:
-            pack(self._tensors, self._ref)
+            with torch.no_grad():
+                pack(self._tensors, self._ref)
 
     def _float_buffers(self) -> list[torch.Tensor]:
         """The module's floating-point buffers that hold values, in ``module.buffers()``'s
@@ -354,6 +377,8 @@ class DASO(WrappedOptimizer):
         if self.module is None:
             raise RuntimeError("DASO has no model: wrap it with "
                                "heatlike.nn.DataParallelMultiGPU(module, daso)")
+        if self.current_batch == 0:  # every rank starts its epochs here together
+            agree_on({"last_batch": self.last_batch}, self.comm, "DASO.last_batch")
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
@@ -369,7 +394,7 @@ class DASO(WrappedOptimizer):
         self._progress()
         self._local_step()
         if not self.local_sync_now():  # this batch's gradients were this rank's own
-            self._node_agrees = False
+            self._node_agrees = self._node_states_agree = False
         b, final = self.current_batch, self.last_batch - 1
         if self.trace is not None and self.local_sync_now():
             self.trace.append((self.epoch, b, "local"))
@@ -412,7 +437,8 @@ class DASO(WrappedOptimizer):
         if self.epoch >= self.warmup_epochs:  # the warmup is over, for good
             self._replicas_agree = False
             if self._tensors:
-                pack(self._tensors, self._ref)
+                with torch.no_grad():
+                    pack(self._tensors, self._ref)
             self.warmup_grads.close()  # collective: every rank is in this step
             self.warmup_grads = None
 
@@ -429,20 +455,45 @@ class DASO(WrappedOptimizer):
         if not self.amp:
             self.local_optimizer.step()
         else:
-            self._agree_on_finite_gradients()
+            unscaled = self._adopt_unscale()
+            if self._agree_on_finite_gradients() and unscaled is not None:
+                for found in unscaled["found_inf_per_device"].values():
+                    found.fill_(1.0)
             self.scaler.step(self.local_optimizer)
             self.scaler.update()
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def _agree_on_finite_gradients(self) -> None:
+    def _ref_dtype(self) -> torch.dtype:
+        """The dtype of the reference copy and the merge buffers: float32, or float64 where a
+        synchronized tensor is float64 (its weights are then never rounded to float32; only the
+        change sent across the nodes is cast to ``downcast_type``)."""
+        return torch.float64 if any(t.dtype == torch.float64 for t in self._tensors) \
+            else torch.float32
+
+    def _adopt_unscale(self) -> dict | None:
+        """``scaler.unscale_(daso)`` (before clipping, torch's recipe) divided the gradients and
+        noted it under this DASO; the step goes through the local optimizer, so the note moves
+        there (else ``scaler.step`` would divide them again). Returns the moved note, None when
+        the program did not unscale."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict) or id(self) not in states:
+            return None
+        state = states.pop(id(self))
+        states[id(self.local_optimizer)] = state
+        return state
+
+    def _agree_on_finite_gradients(self) -> bool:
         """GradScaler skips a step when this rank's gradients are not finite; make that decision
         the same on every rank (one small all-reduce) by marking a gradient as inf on ranks whose
-        own gradients are finite while another rank's are not."""
+        own gradients are finite while another rank's are not. Returns whether any rank's were
+        not finite."""
         grads = [p.grad for p in self.params_ref if p.grad is not None]
         bad = any(not bool(torch.isfinite(g).all()) for g in grads)
-        if self.comm.handle.allreduce(int(bad), op=MPI.MAX) and not bad and grads:
+        anywhere = bool(self.comm.handle.allreduce(int(bad), op=MPI.MAX))
+        if anywhere and not bad and grads:
             grads[0].view(-1)[0] = float("inf")
+        return anywhere
 
     # -- global synchronization ----------------------------------------------------------------
 
@@ -466,12 +517,12 @@ class DASO(WrappedOptimizer):
         broadcast_tensors(self._buffers, self.topology.node_comm, group)
 
     def _payload(self, numel: int) -> torch.Tensor:
-        """A float32 buffer for a synchronization's shard: one a merged synchronization
-        returned, or a new one."""
+        """A buffer (``ref``'s dtype) for a synchronization's shard: one a merged
+        synchronization returned, or a new one."""
         for i, buf in enumerate(self._free):
             if buf.numel() == numel and buf.device == self._ref.device:
                 return self._free.pop(i)
-        return comm_buffer(numel, torch.float32, self._ref.device)
+        return comm_buffer(numel, self._ref.dtype, self._ref.device)
 
     @torch.no_grad()
     def _send(self, group: int, batch: int, btw: int) -> _Sync:
@@ -568,7 +619,7 @@ class DASO(WrappedOptimizer):
         unpack(merged, self._tensors)
         if blocking:
             self._ref.copy_(merged)
-        self._node_agrees = True
+        self._node_agrees = self._node_states_agree
         self._free = [part]  # free for the next send (one in flight keeps its own)
 
     def close(self) -> None:
@@ -590,11 +641,11 @@ class DASO(WrappedOptimizer):
         self.topology.free()
 
     def _buffer(self, name: str) -> torch.Tensor:
-        """A float32 buffer of the parameter vector's size, kept as attribute ``name`` and
-        reused by every merge."""
+        """A buffer of the parameter vector's size and ``ref``'s dtype, kept as attribute
+        ``name`` and reused by every merge."""
         buf = getattr(self, name)
         if buf is None or buf.numel() != self._ref.numel() or buf.device != self._ref.device:
-            buf = comm_buffer(self._ref.numel(), torch.float32, self._ref.device)
+            buf = comm_buffer(self._ref.numel(), self._ref.dtype, self._ref.device)
             setattr(self, name, buf)
         return buf
 
@@ -630,9 +681,11 @@ class DASO(WrappedOptimizer):
         state["daso"] = {"epoch": self.epoch, "current_batch": self.current_batch,
                          "global_skip": self.global_skip, "local_skip": self.local_skip,
                          "batches_to_wait": self.batches_to_wait, "send_mod": self._send_mod,
-                         "stability": self.stability.state_dict(), "ref": self._ref.clone(),
+                         "stability": self.stability.state_dict(),
+                         "ref": self._ref.detach().clone(),
                          "replicas_agree": self._replicas_agree,
-                         "node_agrees": self._node_agrees}
+                         "node_agrees": self._node_agrees,
+                         "node_states_agree": self._node_states_agree}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -648,6 +701,7 @@ class DASO(WrappedOptimizer):
         self._ref.copy_(daso["ref"])
         self._replicas_agree = bool(daso.get("replicas_agree", False))
         self._node_agrees = bool(daso.get("node_agrees", False))
+        self._node_states_agree = bool(daso.get("node_states_agree", self._node_agrees))
 
 
 def _complete_pending(pending: list) -> None:

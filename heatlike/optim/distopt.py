@@ -44,7 +44,7 @@ from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
-from .wrapping import WrappedOptimizer, unsynchronized_grads
+from .wrapping import WrappedOptimizer, materialized_group, synchronized_check, unsynchronized_grads
 
 __all__ = ["DistOpt"]
 
@@ -229,6 +229,19 @@ class DistOpt(WrappedOptimizer):
             if finish is not None:
                 finish()
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Collective once built: DistOpt synchronizes the parameters it was built with, so a
+        group of other trainable parameters raises ValueError on every rank."""
+        if "params" not in self.__dict__:  # the local optimizer's own construction
+            super().add_param_group(param_group)
+            return
+        group = materialized_group(param_group)
+        error, frozen = synchronized_check(group.get("params", []), self.params,
+                                           type(self).__name__)
+        raise_together(error, self.comm)
+        super().add_param_group(group)
+        self._frozen += frozen
+
     # -- training steps --------------------------------------------------------------------------
 
     def _sync(self, mode: str, threshold: int, **config) -> GradientSync:
@@ -248,12 +261,12 @@ class DistOpt(WrappedOptimizer):
                 reducer = AllReduce(self.comm)
             else:
                 codec, reducer = codecs.Identity(), AllReduce(self.comm)
-            cap = threshold * 4 / (1 << 20)
-            # the buckets are SINGA's fused buffers (and partial mode's partitions): planned by
-            # the threshold alone, so large gradients are not given buckets of their own
-            sync = GradientSync(self.params, self.comm, cap, cap, codec=codec, reducer=reducer,
+            # the buckets are SINGA's fused buffers (and partial mode's partitions): at most
+            # ``threshold`` elements each, planned by it alone (large gradients are not given
+            # buckets of their own)
+            sync = GradientSync(self.params, self.comm, codec=codec, reducer=reducer,
                                 on_backward_end=lambda: self._syncs[key].synchronize(),
-                                inplace=False)
+                                inplace=False, cap_numel=threshold)
             sync.enabled = False
             self._syncs[key] = sync
             saved = self._saved_sync_states.pop(repr(key), None)
@@ -310,8 +323,8 @@ class DistOpt(WrappedOptimizer):
         self._sync("fused", threshold)  # validates threshold
         partitions = self._partitions.get(threshold)
         if partitions is None:
-            cap = threshold * 4 / (1 << 20)
-            partitions = ParameterSync(list(reversed(self.params)), self.comm, bucket_cap_mb=cap)
+            partitions = ParameterSync(list(reversed(self.params)), self.comm,
+                                       cap_numel=threshold)
             self._partitions[threshold] = partitions
         self._backward(loss, None)
         partitions.synchronize(buckets=[self.partial % len(partitions.buckets)])

@@ -952,6 +952,7 @@ def _prepare(tree: dict, mine: dict, saved_size: int, model, optimizer, rng: boo
     problems: list[str] = []
     if wrapper is not None and tree["wrapper"] is not None:
         _check_engine(tree["wrapper"], current["wrapper"], "the model's engine", problems)
+    _check_engine_home(tree, current, problems)
     if optimizer is not None:
         if tree["optimizer"] is None:
             raise CheckpointError("the checkpoint has no optimizer state")
@@ -1159,6 +1160,36 @@ def _compare_torch_state(saved: dict, current: dict, owner, where: str,
                 problems.append(f"{where}: the state {key!r} of parameter {n} has shape "
                                 f"{tuple(value.shape)} in the checkpoint, {tuple(expected)} "
                                 "here")
+
+
+def _engine_home(tree: dict) -> tuple[str | None, dict | None]:
+    """Where a state tree keeps its gradient engine (the state with the wire format): the
+    DataParallel wrapper's (``"wrapper"``), a preset optimizer's (``"optimizer"``) or none."""
+    for home in ("wrapper", "optimizer"):
+        part = tree.get(home)
+        engine = part.get("engine") if isinstance(part, dict) else None
+        if isinstance(engine, dict) and "codec" in engine:
+            return home, engine
+    return None, None
+
+
+def _check_engine_home(saved: dict, current: dict, problems: list[str]) -> None:
+    """Append to ``problems`` where the checkpoint's engine and this run's live in different
+    objects (a DataParallel wrapper's against a preset optimizer's, e.g. plain DataParallel
+    against PowerSGD): their wire formats are compared, and an engine that kept state between
+    steps (residuals, warm starts) cannot move to the other object, so it is refused too."""
+    (there, theirs), (here, ours) = _engine_home(saved), _engine_home(current)
+    if theirs is None or ours is None or there == here:
+        return
+    _check_engine(theirs, ours, "the engine", problems)
+    codec = theirs.get("codec")
+    states = codec.get("states") if isinstance(codec, dict) else None
+    if isinstance(states, dict) and any(states.values()):
+        problems.append(f"the checkpoint's engine state (its wire format's memory) belongs to "
+                        f"the {'DataParallel wrapper' if there == 'wrapper' else 'optimizer'}, "
+                        f"this run's engine is the "
+                        f"{'DataParallel wrapper' if here == 'wrapper' else 'optimizer'}'s "
+                        "(another algorithm?)")
 
 
 def _check_engine(saved, current, where: str, problems: list[str]) -> None:

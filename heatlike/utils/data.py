@@ -253,17 +253,22 @@ class DataLoader:
     def __init__(self, dataset, batch_size: int = 1, shuffle: bool | None = None, seed: int = 0,
                  drop_last: bool = False, comm: MPICommunication | None = None,
                  progress: bool = False, collate_fn: Callable | None = None) -> None:
+        error = None
         if not isinstance(dataset, torch.utils.data.Dataset) and (
                 _is_dndarray(dataset) or isinstance(dataset, (torch.Tensor, np.ndarray))):
-            dataset = Dataset(dataset)
+            try:
+                dataset = Dataset(dataset)
+            except (TypeError, ValueError) as bad:  # raised below on every rank
+                error = bad
+                if _is_dndarray(dataset) and comm is None:
+                    comm = dataset.comm
         distributed = isinstance(dataset, Dataset) and dataset.distributed
         self.comm = sanitize_comm(dataset.comm if distributed else comm)
-        error = None
-        if not isinstance(dataset, torch.utils.data.Dataset):
+        if error is None and not isinstance(dataset, torch.utils.data.Dataset):
             error = TypeError(f"dataset must be a heatlike.utils.data.Dataset, a torch Dataset or "
                               f"an array (DNDarray, torch.Tensor, numpy.ndarray), got "
                               f"{type(dataset).__name__}")
-        elif shuffle is not None and not isinstance(shuffle, bool):
+        elif error is None and shuffle is not None and not isinstance(shuffle, bool):
             error = TypeError(f"shuffle must be a bool or None, got {type(shuffle).__name__}")
         if shuffle is None:  # Heat's rule: a test set is not shuffled
             shuffle = not getattr(dataset, "test_set", False)
