@@ -710,20 +710,15 @@ class MPICommunication:
 
     def allreduce(self, obj: object, op: MPI.Op = MPI.SUM) -> object:
         """Collective: ``obj`` combined over the ranks with ``op`` (mpi4py's ``allreduce``),
-        watched as :meth:`allgather` is. Python ints, floats and bools under the predefined
-        arithmetic and logical operations take one checked ``Allreduce`` of a scalar; any other
-        object is gathered and combined in rank order with ``op``."""
+        watched as :meth:`allgather` is. Python ints and bools under the predefined operations
+        take one checked ``Allreduce`` of an int64 (exact in any order); any other object
+        (floats included: every rank then adds in the same order and gets the same bits) is
+        gathered and combined in rank order with ``op``."""
         name = _op_name(op)
         if self.size == 1:
             return obj
-        scalar = type(obj) in (int, float, bool) and name is not None and \
-            (type(obj) is not float or name in ("SUM", "PROD", "MAX", "MIN"))
-        if scalar:
-            if type(obj) is int and not -(1 << 63) <= obj < (1 << 63):
-                scalar = False
-        if scalar:
-            dtype = np.float64 if type(obj) is float else np.int64
-            value = np.array([obj], dtype=dtype)
+        if type(obj) in (int, bool) and name is not None and -(1 << 63) <= obj < (1 << 63):
+            value = np.array([obj], dtype=np.int64)
             self.Allreduce(MPI.IN_PLACE, value, op)
             result = value[0].item()
             return bool(result) if type(obj) is bool else result

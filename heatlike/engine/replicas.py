@@ -38,10 +38,10 @@ def check_replicas(module: torch.nn.Module, comm: MPICommunication | None = None
     comm = sanitize_comm(comm)
     mine = _signature(module)
     digest = hashlib.sha1(repr(mine).encode()).hexdigest()
-    digests = comm.handle.allgather(digest)
+    digests = comm.allgather(digest)
     if len(set(digests)) == 1:
         return
-    signatures = comm.handle.allgather(mine)
+    signatures = comm.allgather(mine)
     other = next(r for r, d in enumerate(digests) if d != digests[0])
     a, b = signatures[0], signatures[other]
     detail = f"rank 0 has {len(a)} parameters and buffers, rank {other} has {len(b)}"
@@ -133,11 +133,11 @@ def verify_replicas(model: torch.nn.Module, comm: MPICommunication | None = None
     raise_together(None if isinstance(module, torch.nn.Module) else TypeError(
         f"verify_replicas needs a torch.nn.Module, got {type(model).__name__}"), comm)
     named = list(module.named_parameters()) + (list(module.named_buffers()) if buffers else [])
-    digests = comm.handle.allgather(_digest(t for _, t in named))
+    digests = comm.allgather(_digest(t for _, t in named))
     if len(set(digests)) == 1:
         return
     differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    per_tensor = comm.handle.allgather([_digest([t]) for _, t in named])
+    per_tensor = comm.allgather([_digest([t]) for _, t in named])
     names = [n for i, (n, _) in enumerate(named)
              if any(per_tensor[r][i] != per_tensor[0][i] for r in differ)]
     raise ValueError(f"the replicas differ: ranks {differ} have other values than rank 0 in "

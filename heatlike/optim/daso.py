@@ -338,7 +338,7 @@ class DASO(WrappedOptimizer):
         this epoch's training loss (module docstring)."""
         value = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if not loss_globally_averaged:
-            value = self.comm.handle.allreduce(value, op=MPI.SUM) / self.comm.size
+            value = self.comm.allreduce(value, MPI.SUM) / self.comm.size
         e = self.epoch  # the epoch that comes next
         if e < self.warmup_epochs or self._in_cooldown(e):
             self._set_epoch_parameters()
@@ -490,7 +490,7 @@ class DASO(WrappedOptimizer):
         not finite."""
         grads = [p.grad for p in self.params_ref if p.grad is not None]
         bad = any(not bool(torch.isfinite(g).all()) for g in grads)
-        anywhere = bool(self.comm.handle.allreduce(int(bad), op=MPI.MAX))
+        anywhere = bool(self.comm.allreduce(int(bad), MPI.MAX))
         if anywhere and not bad and grads:
             grads[0].view(-1)[0] = float("inf")
         return anywhere

@@ -228,7 +228,7 @@ class FP16Optimizer(WrappedOptimizer):
         if divisor != 1:
             grad.div_(divisor)
         norm = float(grad.norm())
-        skip = self.comm.handle.allreduce(int(not math.isfinite(norm)), op=MPI.MAX)
+        skip = self.comm.allreduce(int(not math.isfinite(norm)), MPI.MAX)
         if skip:
             if own_scaling:
                 self.loss_scale /= self.scale_factor

@@ -250,7 +250,7 @@ def amp_skip(opt: torch.optim.Optimizer, comm, params: Iterable[torch.Tensor] | 
     if agree and comm.size > 1:
         from mpi4py import MPI
 
-        local = bool(comm.handle.allreduce(int(local), op=MPI.MAX))
+        local = bool(comm.allreduce(int(local), MPI.MAX))
     if local:
         return True
     if grad_scale is not None:
