@@ -849,3 +849,13 @@ def test_cluster_transformer_model_reads_image_rows_as_tokens():
     changed = x.clone()
     changed[:, 56:] += 1.0  # the last row only
     assert not torch.allclose(net(changed), out)
+
+
+@pytest.mark.parametrize("rates", ["nonsense", ",", "1gbit,nonsense"])
+def test_bench_cluster_checks_every_rate_before_it_runs(rates):
+    """A bad link rate is refused with a message before any cluster is built (before: a
+    traceback, or after the first rate's whole set had run, its results lost)."""
+    from heatlike.bench import cluster
+
+    with pytest.raises(SystemExit, match="--rates"):
+        cluster.run(["--rates", rates, "--algorithms", "allreduce", "--models", "cnn"])

@@ -51,6 +51,45 @@ def test_exception_on_one_rank_aborts_job(tmp_path, how):
     assert "RuntimeError: boom on purpose" in out and "Traceback" in out, out
 
 
+@pytest.mark.system
+def test_the_launcher_runs_a_script_as_python_does(tmp_path):
+    """``python -m heatlike sub/job.py`` as ``python sub/job.py``: the script's sibling modules
+    import, ``__file__`` is absolute (before: the import failed, ``__file__`` was relative)."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper.py").write_text("VALUE = 42\n")
+    (tmp_path / "sub" / "job.py").write_text(textwrap.dedent("""
+        import os, sys
+        import helper
+        print("value", helper.VALUE, "absolute", os.path.isabs(__file__), "args", sys.argv[1:])
+    """))
+    for cmd in ([sys.executable, "sub/job.py", "a"],
+                [sys.executable, "-m", "heatlike", "sub/job.py", "a"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                              env=_clean_env())
+        assert proc.returncode == 0, proc.stderr
+        assert "value 42 absolute True args ['a']" in proc.stdout, proc.stdout
+
+
+@pytest.mark.system
+def test_an_aborting_rank_keeps_what_it_printed(tmp_path):
+    """The failing rank's printed lines reach the output before the job is aborted, with
+    Python's output buffered (before: lost with the process)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        print(f"rank {comm.rank} printed this first")
+        if comm.rank == 1:
+            raise RuntimeError("boom on purpose")
+        comm.Barrier()
+    """))
+    env = {k: v for k, v in _clean_env().items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "heatlike", str(script)],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode != 0
+    assert "rank 1 printed this first" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("bound", [False, True], ids=["unbound", "bound"])
 def test_threads_share_the_cores_a_rank_may_run_on(monkeypatch, bound):

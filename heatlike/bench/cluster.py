@@ -357,7 +357,7 @@ def run(argv: list[str] | None = None) -> int:
         return job_main(opts.job[0], opts.job[1], int(opts.job[2]), opts.out)
     algorithms = _choose(opts.algorithms, QUICK_ALGORITHMS if opts.quick else ALGORITHMS)
     models = _choose(opts.models, MODELS, what="model")
-    rates = [r.strip() for r in opts.rates.split(",") if r.strip()]
+    rates = _rates(opts.rates)
     epochs = opts.epochs or (2 if opts.quick else 6)
     from mpi4py import MPI
 
@@ -403,6 +403,22 @@ def _parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)  # one job, launched by the driver on the nodes
     p.add_argument("--out", help=argparse.SUPPRESS)
     return p
+
+
+def _rates(spec: str) -> list[str]:
+    """The link rates of ``--rates``, each checked before anything runs (a bad one after hours
+    of measurements would lose them)."""
+    from ..testing.cluster import parse_rate
+
+    rates = [r.strip() for r in spec.split(",") if r.strip()]
+    if not rates:
+        raise SystemExit(f"bench cluster: --rates {spec!r} names no link rate (e.g. 1gbit,10gbit)")
+    for rate in rates:
+        try:
+            parse_rate(rate)
+        except ValueError as bad:
+            raise SystemExit(f"bench cluster: --rates: {bad}") from None
+    return rates
 
 
 def _choose(spec: str | None, default: list[str], what: str = "algorithm") -> list[str]:

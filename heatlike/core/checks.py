@@ -83,6 +83,7 @@ runs on a user's communicator.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import sys
@@ -808,6 +809,8 @@ def _report_deadlock(board: Board, waiting: list[tuple[int, int, str]]) -> None:
             f"{board.label}, but {who} there and waits for rank {board.rank}, which will never "
             "enter it")
     if _exit["abort"]:
+        with contextlib.suppress(Exception):  # what the program printed before, not lost
+            sys.stdout.flush()
         sys.stderr.write(text + "; aborting the MPI job\n")
         sys.stderr.flush()
         time.sleep(0.3)  # the launcher stops forwarding output once it kills the job

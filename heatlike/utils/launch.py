@@ -36,6 +36,8 @@ def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
               f"(host {socket.gethostname()}, pid {os.getpid()}); aborting the MPI job\n")
     text = "".join(traceback.format_exception(exc)) if exc is not None else ""
     try:
+        with contextlib.suppress(Exception):  # what the program printed before, not lost
+            sys.stdout.flush()
         sys.stderr.write(header + text)
         sys.stderr.flush()
         # the launcher forwards output asynchronously and stops forwarding once it kills the
@@ -94,7 +96,11 @@ def run_script(path: str, argv: list[str]) -> None:
     from ..core.communication import MPI_WORLD
 
     MPI_WORLD._arrival_board("the start of the program (python -m heatlike)")
+    # as ``python script.py``: the script's folder first on the import path (its sibling
+    # modules import), ``__file__`` absolute, ``sys.argv[0]`` as typed
     sys.argv = [path, *argv]
+    path = os.path.abspath(path)
+    sys.path.insert(0, os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
 
 
