@@ -284,3 +284,19 @@ def test_deliberate_differences_from_heat():
     assert ht.equal(y, ht.arange(10))
     assert ht.equal(ht.cumsum(xs, 0, out=ht.empty(10, dtype=ht.int64, split=None)),
                     np.cumsum(np.arange(10)))                      # Heat: ValueError (out split)
+    m = ht.arange(12, split=0).reshape((4, 3))
+    raises_everywhere(IndexError, lambda: m[[0, 3], [1, 2]], "one integer or boolean array")
+    raises_everywhere(IndexError, lambda: m[ht.array([[0, 1], [2, 3]])], "one-dimensional")
+    v = ht.array([3.0, 1.0, 2.0, 1.0], split=0)                    # numpy's meaning on DNDarrays
+    assert np.sort(v).tolist() == [1.0, 1.0, 2.0, 3.0]             # Heat: (values, indices)
+    assert np.cumsum(m).tolist() == np.cumsum(np.arange(12)).tolist()  # Heat: TypeError
+    assert np.percentile(v, 30, method="lower").item() == 1.0       # Heat: TypeError
+    assert np.unique(v).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(TypeError):
+        np.unique(v, return_counts=True)
+    assert ht.linspace(-5, 0, 4, dtype=ht.int64).tolist() == [-5, -4, -2, 0]  # Heat: truncates
+    b = ht.array([False, True, True, False], split=0)
+    assert b.argmax().item() == 1 and b.argmin().item() == 0        # Heat: TypeError
+    grid = ht.meshgrid(v)[0]                                       # Heat: shares v's memory
+    grid[0] = 55.0
+    assert v[0].item() == 3.0

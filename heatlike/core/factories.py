@@ -402,7 +402,10 @@ def linspace(start: float, stop: float, num: int = 50, endpoint: bool = True,
     t = i * step + start if div > 0 else i * (stop - start) + start
     if endpoint and num > 1 and hi == num and hi > lo:
         t[-1] = stop
-    out = DNDarray._make(t.to(_dtype_or(dtype)), (num,), s, counts, comm)
+    dt = _dtype_or(dtype)
+    if not dt.is_floating_point and not dt.is_complex and dt != torch.bool:
+        t = t.floor()  # numpy floors toward an integer dtype (a cast would truncate)
+    out = DNDarray._make(t.to(dt), (num,), s, counts, comm)
     return (out, step) if retstep else out
 
 
@@ -468,8 +471,8 @@ def meshgrid(*arrays: object, indexing: str = "xy", sparse: bool = False) -> lis
         if not isinstance(a, DNDarray):
             a = array(a)
         vecs.append(a)
-    if len(vecs) == 1:
-        return [vecs[0] if vecs[0].ndim == 1 else vecs[0].flatten()]
+    if len(vecs) == 1:  # a new array, as numpy's (copy=True): writing to it leaves the input
+        return [vecs[0].copy() if vecs[0].ndim == 1 else vecs[0].flatten()]
     comm = vecs[0].comm
     for v in vecs[1:]:
         if v.comm is not comm and v.comm.handle != comm.handle:

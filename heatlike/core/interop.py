@@ -8,6 +8,10 @@
   ``TypeError``.
 * ``np.concatenate([x, y])``, ``np.sum(x, axis=0)``, ... run the heatlike function of the same
   name with the same arguments; a function heatlike lacks (``np.array_equiv``) is a
+  ``TypeError``. Where heatlike's function (Heat's signature) differs from numpy's, numpy's
+  meaning is kept (:data:`_NUMPY_CALLS`): ``np.sort`` returns the values only, ``np.cumsum``
+  without an axis runs over the flattened array, ``np.percentile(..., method=)``,
+  ``np.unique`` sorted; options heatlike does not have (``return_counts``) are a
   ``TypeError``.
 * ``torch.sum(x)``, ``torch.concatenate([x, y])`` (and tensor operators with a DNDarray operand)
   likewise run heatlike's function of the same name; others are a ``TypeError``.
@@ -86,8 +90,55 @@ def array_ufunc(ufunc: np.ufunc, method: str, inputs: tuple, kwargs: dict) -> ob
     return fn(*inputs, **call)
 
 
+def _np_sort(a, axis=-1, kind=None, order=None, *, stable=None):
+    if order is not None:
+        return NotImplemented
+    return _heatlike().sort(a, axis=axis, return_sort_indices=False)
+
+
+def _np_cumulative(name: str):
+    def call(a, axis=None, dtype=None, out=None):
+        if axis is None:
+            a, axis = _heatlike().flatten(a), 0
+        return getattr(_heatlike(), name)(a, axis, dtype=dtype, out=out)
+    return call
+
+
+def _np_percentile(a, q, axis=None, out=None, overwrite_input=False, method="linear",
+                   keepdims=False, *, weights=None, interpolation=None):
+    if weights is not None:
+        return NotImplemented
+    return _heatlike().percentile(a, q, axis=axis, out=out, keepdims=keepdims,
+                                  interpolation=interpolation or method)
+
+
+def _np_median(a, axis=None, out=None, overwrite_input=False, keepdims=False):
+    if out is not None:
+        return NotImplemented
+    return _heatlike().median(a, axis=axis, keepdims=keepdims)
+
+
+def _np_unique(ar, return_index=False, return_inverse=False, return_counts=False, axis=None,
+               *, equal_nan=True, sorted=True):  # noqa: A002 (numpy's keyword)
+    if return_index or return_counts:
+        return NotImplemented
+    return _heatlike().unique(ar, sorted=True, return_inverse=return_inverse, axis=axis)
+
+
+#: numpy functions whose heatlike namesake takes Heat's arguments: numpy's meaning, kept
+_NUMPY_CALLS = {"sort": _np_sort, "cumsum": _np_cumulative("cumsum"),
+                "cumprod": _np_cumulative("cumprod"), "percentile": _np_percentile,
+                "median": _np_median, "unique": _np_unique}
+
+
 def array_function(func: object, types: tuple, args: tuple, kwargs: dict) -> object:
     """``DNDarray.__array_function__`` (module docstring)."""
+    call = _NUMPY_CALLS.get(getattr(func, "__name__", ""))
+    if call is not None:
+        try:
+            return call(*args, **kwargs)
+        except TypeError:  # numpy's own arguments did not fit numpy's signature
+            return NotImplemented
     fn = getattr(_heatlike(), getattr(func, "__name__", ""), None)
     if fn is None or not callable(fn) or isinstance(fn, type):
         return NotImplemented

@@ -375,6 +375,8 @@ def _arg(x: DNDarray, axis: int | None, keepdims: bool, largest: bool) -> DNDarr
         raise TypeError(f"{name} is not defined for complex dtype {x.dtype}")
     fn = torch.argmax if largest else torch.argmin
     comm, t = x.comm, x.larray
+    if axis is None and t.dtype == torch.bool:  # torch's arg-reductions refuse bool
+        t = t.to(torch.uint8)
     if axis is None:
         if x.size == 0:
             raise ValueError(f"attempt to get {name} of an empty sequence")
