@@ -437,6 +437,18 @@ def test_an_engine_of_another_object_does_not_fit(comm, tmp_path, saved, loaded)
     assert _same(_everything(other.runner.model, other.runner.optimizer, other.loader), before)
 
 
+def test_the_model_alone_loads_from_another_algorithms_checkpoint(comm, tmp_path):
+    """Without an optimizer nothing of the engines is restored: PowerSGD's weights load into a
+    DataParallel model (the check above is for resuming training)."""
+    path = _saved_loop(comm, tmp_path, "powersgd-2")
+    other = Loop("allreduce", comm)
+    checkpoint.load(path, other.runner.model, comm=comm)
+    twin = Loop("powersgd-2", comm)
+    twin.load(path)
+    for a, b in zip(other.net.parameters(), twin.net.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_a_stateless_engine_moves_between_wrapper_and_optimizer(comm, tmp_path):
     """Plain averaging saved by DataParallel loads into CentralizedSGD (the same wire format,
     no memory): the model and the torch optimizer's state come back."""

@@ -62,8 +62,11 @@ def test_the_launcher_runs_a_script_as_python_does(tmp_path):
         import helper
         print("value", helper.VALUE, "absolute", os.path.isabs(__file__), "args", sys.argv[1:])
     """))
+    (tmp_path / "link.py").symlink_to(tmp_path / "sub" / "job.py")  # imports from sub/ too
     for cmd in ([sys.executable, "sub/job.py", "a"],
-                [sys.executable, "-m", "heatlike", "sub/job.py", "a"]):
+                [sys.executable, "-m", "heatlike", "sub/job.py", "a"],
+                [sys.executable, "link.py", "a"],
+                [sys.executable, "-m", "heatlike", "link.py", "a"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path,
                               env=_clean_env())
         assert proc.returncode == 0, proc.stderr

@@ -33,15 +33,16 @@ def raise_together(error: Exception | None, comm: MPICommunication | None = None
 
 
 def gather_or_raise(payload: object, error: Exception | None,
-                    comm: MPICommunication | None = None, what: str = "allgather") -> list:
+                    comm: MPICommunication | None = None, what: str = "allgather",
+                    kinds: tuple[type[Exception], ...] = ()) -> list:
     """Collective: every rank's ``payload`` in rank order (an allgather), or, where any rank
     passes an ``error`` instead, that error raised on every rank as :func:`raise_together`
-    does. For a check whose failure must travel with data the ranks exchange anyway: one
-    collective, not two."""
+    does (``kinds``: further exception types kept as they are). For a check whose failure must
+    travel with data the ranks exchange anyway: one collective, not two."""
     comm = sanitize_comm(comm)
     mine = (None, payload) if error is None else ((type(error).__name__, str(error)), None)
     gathered = _checks.gather_objects(comm, mine, what)
-    _raise_first([verdict for verdict, _ in gathered], comm, error, ())
+    _raise_first([verdict for verdict, _ in gathered], comm, error, kinds)
     return [data for _, data in gathered]
 
 

@@ -31,6 +31,7 @@ import contextlib
 import gc
 import inspect
 import itertools
+import pickle
 import time
 import warnings
 import weakref
@@ -710,27 +711,29 @@ class MPICommunication:
 
     def allreduce(self, obj: object, op: MPI.Op = MPI.SUM) -> object:
         """Collective: ``obj`` combined over the ranks with ``op`` (mpi4py's ``allreduce``),
-        watched as :meth:`allgather` is. Python ints and bools under the predefined operations
-        take one checked ``Allreduce`` of an int64 (exact in any order); any other object
-        (floats included: every rank then adds in the same order and gets the same bits) is
-        gathered and combined in rank order with ``op``."""
+        watched as :meth:`allgather` is: every rank's object is gathered and combined in rank
+        order with ``op`` (Python's arithmetic: ints exact, floats the same bits on every rank,
+        any mix of types the ranks pass). A per-step flag is cheaper as an ``Allreduce`` of a
+        one-element array."""
         name = _op_name(op)
-        if self.size == 1:
-            return obj
-        if type(obj) in (int, bool) and name is not None and -(1 << 63) <= obj < (1 << 63):
-            value = np.array([obj], dtype=np.int64)
-            self.Allreduce(MPI.IN_PLACE, value, op)
-            result = value[0].item()
-            return bool(result) if type(obj) is bool else result
         gathered = self._objects(obj, f"allreduce({name or 'op'})")
         result = gathered[0]
         for other in gathered[1:]:
             result = op(result, other)
         return result
 
-    def _objects(self, obj: object, what: str) -> list:
+    def any_rank(self, flag: bool) -> bool:
+        """Collective: whether ``flag`` is true on any rank (one checked ``Allreduce`` of an
+        int64: the per-step vote of skipping a non-finite step and the like)."""
         if self.size == 1:
-            return [obj]
+            return bool(flag)
+        value = np.array([1 if flag else 0], dtype=np.int64)
+        self.Allreduce(MPI.IN_PLACE, value, MPI.MAX)
+        return bool(value[0])
+
+    def _objects(self, obj: object, what: str) -> list:
+        if self.size == 1:  # a copy, as every rank's is (mpi4py's pickled round trip)
+            return [pickle.loads(pickle.dumps(obj))]
         if _checks.checking():
             self._arrival_board(what)
         return _checks.gather_objects(self, obj, what)

@@ -169,7 +169,7 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
         except (TypeError, ValueError, RuntimeError) as bad:
             error = bad
         meta = gather_or_raise(None if error else (tuple(t.shape), str(t.dtype)), error, comm,
-                               "array(is_split=...): the pieces' shapes")
+                               "array(is_split=...): the pieces' shapes", kinds=(BufferError,))
         ndims = {len(s) for s, _ in meta}
         if len(ndims) != 1:
             raise ValueError(f"is_split: the local pieces have different numbers of dimensions: "
@@ -540,8 +540,8 @@ def from_dlpack(x: object, is_split: int | None = None,
         except (TypeError, BufferError) as bad:
             error = bad
         if error is not None:
-            gather_or_raise(None, TypeError(str(error)), comm,
-                            "array(is_split=...): the pieces' shapes")
+            gather_or_raise(None, error, comm, "array(is_split=...): the pieces' shapes",
+                            kinds=(BufferError,))
         return array(t, copy=False, is_split=is_split, device=t.device.type, comm=comm)
     t = _tensor_from_dlpack(x)
     canonical_dtype(t.dtype)

@@ -490,7 +490,7 @@ class DASO(WrappedOptimizer):
         not finite."""
         grads = [p.grad for p in self.params_ref if p.grad is not None]
         bad = any(not bool(torch.isfinite(g).all()) for g in grads)
-        anywhere = bool(self.comm.allreduce(int(bad), MPI.MAX))
+        anywhere = self.comm.any_rank(bad)
         if anywhere and not bad and grads:
             grads[0].view(-1)[0] = float("inf")
         return anywhere

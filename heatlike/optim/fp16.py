@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 
 import torch
-from mpi4py import MPI
 from torch.autograd import Variable
 
 from ..core.agreement import raise_together
@@ -228,7 +227,7 @@ class FP16Optimizer(WrappedOptimizer):
         if divisor != 1:
             grad.div_(divisor)
         norm = float(grad.norm())
-        skip = self.comm.allreduce(int(not math.isfinite(norm)), MPI.MAX)
+        skip = self.comm.any_rank(not math.isfinite(norm))
         if skip:
             if own_scaling:
                 self.loss_scale /= self.scale_factor

@@ -248,9 +248,7 @@ def amp_skip(opt: torch.optim.Optimizer, comm, params: Iterable[torch.Tensor] | 
         return False
     local = bool(found_inf) if found_inf is not None else False
     if agree and comm.size > 1:
-        from mpi4py import MPI
-
-        local = bool(comm.allreduce(int(local), MPI.MAX))
+        local = comm.any_rank(local)
     if local:
         return True
     if grad_scale is not None:

@@ -952,7 +952,8 @@ def _prepare(tree: dict, mine: dict, saved_size: int, model, optimizer, rng: boo
     problems: list[str] = []
     if wrapper is not None and tree["wrapper"] is not None:
         _check_engine(tree["wrapper"], current["wrapper"], "the model's engine", problems)
-    _check_engine_home(tree, current, problems)
+    if optimizer is not None:  # resuming training: the engine's state must go somewhere
+        _check_engine_home(tree, current, problems)
     if optimizer is not None:
         if tree["optimizer"] is None:
             raise CheckpointError("the checkpoint has no optimizer state")

@@ -96,12 +96,11 @@ def run_script(path: str, argv: list[str]) -> None:
     from ..core.communication import MPI_WORLD
 
     MPI_WORLD._arrival_board("the start of the program (python -m heatlike)")
-    # as ``python script.py``: the script's folder first on the import path (its sibling
-    # modules import), ``__file__`` absolute, ``sys.argv[0]`` as typed
+    # as ``python script.py``: the folder of the script (of the file a link points to) first on
+    # the import path (its sibling modules import), ``__file__`` absolute
     sys.argv = [path, *argv]
-    path = os.path.abspath(path)
-    sys.path.insert(0, os.path.dirname(path))
-    runpy.run_path(path, run_name="__main__")
+    sys.path.insert(0, os.path.dirname(os.path.realpath(path)))
+    runpy.run_path(os.path.abspath(path), run_name="__main__")
 
 
 def configure_threads(comm: MPI.Intracomm = MPI.COMM_WORLD) -> int:
