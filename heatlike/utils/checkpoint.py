@@ -495,11 +495,11 @@ def _wait(request) -> None:
 
 def _bcast_bytes(comm: MPICommunication, data: bytes | None) -> bytes:
     n = np.array([len(data) if comm.rank == 0 else 0], dtype=np.int64)
-    comm.handle.Bcast(n, root=0)
+    comm.Bcast(n, root=0)
     buf = np.frombuffer(data, dtype=np.uint8).copy() if comm.rank == 0 else \
         np.empty(int(n[0]), dtype=np.uint8)
     if n[0]:
-        comm.handle.Bcast(buf, root=0)
+        comm.Bcast(buf, root=0)
     return buf.tobytes()
 
 
@@ -682,7 +682,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     everyone = comm.handle.gather((sections, digests), root=0)
     if comm.rank == 0:
         split = _per_rank_parts(everyone)
-    split = comm.handle.bcast(split if comm.rank == 0 else None, root=0)
+    split = comm.bcast(split if comm.rank == 0 else None, root=0)
     whole, leaves = split
     mine = {"sections": {name: tree[name] for name in whole},
             "leaves": {p: leaf for p, leaf in _leaves(tree)
@@ -831,7 +831,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         except (OSError, CheckpointError, ValueError) as e:
             error = e
     _raise_from_root(error, comm)
-    index = comm.handle.bcast(index, root=0)
+    index = comm.bcast(index, root=0)
     saved_size = int(index["world_size"])
     shared = _bcast_bytes(comm, segments["shared"] if comm.rank == 0 else None)
 
@@ -881,8 +881,8 @@ def _shorten(names: list[str], most: int = 6) -> str:
 
 def _raise_from_root(error: Exception | None, comm: MPICommunication) -> None:
     """Collective: raise rank 0's error (same type where possible) on every rank."""
-    verdict = comm.handle.bcast(None if error is None else (type(error).__name__, str(error)),
-                                root=0)
+    verdict = comm.bcast(None if error is None else (type(error).__name__, str(error)),
+                         root=0)
     if verdict is not None:
         kind, message = verdict
         cls = {"FileNotFoundError": FileNotFoundError,
