@@ -705,8 +705,8 @@ class MPICommunication:
 
     def bcast(self, obj: object = None, root: int = 0) -> object:
         """Collective: ``root``'s ``obj`` on every rank (mpi4py's ``bcast``), watched as
-        :meth:`allgather` is. Meant for small objects (settings, seeds, verdicts): every rank's
-        argument travels to every rank."""
+        :meth:`allgather` is: an all-gather in which the other ranks contribute ``None``, so
+        ``root``'s object reaches every rank once."""
         return self._objects(obj if self.rank == root else None, f"bcast(root={root})")[root]
 
     def allreduce(self, obj: object, op: MPI.Op = MPI.SUM) -> object:
@@ -1770,7 +1770,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# predefined operations the object collectives name (and reduce as scalars)
+# predefined operations, named in the labels of the object collectives
 _OBJECT_OPS = [(MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MAX, "MAX"), (MPI.MIN, "MIN"),
                (MPI.LOR, "LOR"), (MPI.LAND, "LAND"), (MPI.BOR, "BOR"), (MPI.BAND, "BAND")]
 
@@ -1778,6 +1778,7 @@ _OBJECT_OPS = [(MPI.SUM, "SUM"), (MPI.PROD, "PROD"), (MPI.MAX, "MAX"), (MPI.MIN,
 def _op_name(op: MPI.Op) -> str | None:
     """The name of a predefined operation of :data:`_OBJECT_OPS` (None for any other)."""
     return next((name for known, name in _OBJECT_OPS if op == known), None)
+
 
 MPI_WORLD = MPICommunication(MPI.COMM_WORLD)
 MPI_SELF = MPICommunication(MPI.COMM_SELF)

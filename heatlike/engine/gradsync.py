@@ -355,8 +355,7 @@ class GradientSync:
         observed gradient order."""
         seen = set(self._arrival)
         order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        order = _checks.gather_objects(self.comm, order if self.comm.rank == 0 else None,
-                                       "the bucket re-plan (rank 0's gradient order)")[0]
+        order = self.comm.bcast(order, root=0)  # checked: a rank elsewhere raises, no hang
         self._plan([self.params[i] for i in order])
         # the new plan may have another number of buckets; each has had one exchange per cycle
         self._exchanges = [self._cycles - 1] * len(self.buckets)
