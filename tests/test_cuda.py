@@ -1,5 +1,6 @@
 """CUDA-aware detection everywhere; CUDA buffer paths where a GPU is present (skipped otherwise)."""
 
+import copy
 import os
 
 import pytest
@@ -252,3 +253,94 @@ def test_data_parallel_on_the_node_path_trains_the_staged_model(comm, monkeypatc
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(b, c.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+#: algorithms whose model is the exact data-parallel average with SGD: their parameters on the
+#: GPU equal the CPU run's to float32 rounding (the others compress, sample or gossip, and Adam's
+#: normalized step turns rounding differences in near-zero gradients into steps of size lr)
+EXACT = ("allreduce", "allreduce-nonblocking", "centralized-sgd", "custom-clip",
+         "hierarchical", "distopt-fused")
+_DATA = {}
+
+
+@needs_cuda
+@pytest.mark.mpi_timeout(240)
+@pytest.mark.parametrize("name", sorted(__import__("heatlike.recipes",
+                                                   fromlist=["ALGORITHMS"]).ALGORITHMS))
+def test_every_algorithm_trains_on_the_gpu_as_on_the_cpu(comm, name):
+    """Every algorithm of ``heatlike.recipes`` (DataParallel, the mlbench and SINGA presets,
+    FP16Optimizer, DASO) trains the digits MLP on the rank's GPU: 2 epochs reach the CPU run's
+    test accuracy within 0.1, and the exact algorithms' parameters equal the CPU run's."""
+    from heatlike.recipes import digits_task, load_digits_split, train_task
+
+    data = _DATA.setdefault("digits", load_digits_split(0))
+    runs = {}
+    for device in ("cpu", _device(comm)):
+        runners = []
+        result = train_task(name, comm, digits_task(0, data), epochs=2, curve=False,
+                            device=device, on_runner=runners.append)
+        model = runners[0].eval_model()
+        runs[str(device)[:4]] = (result.accuracy,
+                                 [p.detach().cpu().clone() for p in model.parameters()])
+        runners[0].close()
+    (cpu_acc, cpu_params), (gpu_acc, gpu_params) = runs["cpu"], runs["cuda"]
+    assert abs(gpu_acc - cpu_acc) <= 0.1, (name, gpu_acc, cpu_acc)
+    assert gpu_acc > 0.3, (name, gpu_acc)
+    assert all(torch.isfinite(p).all() for p in gpu_params), name
+    if name in EXACT:
+        for a, b in zip(gpu_params, cpu_params):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=5e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("wrapper", ["DataParallel", "DASO"])
+def test_grad_scaler_on_the_gpu_gives_the_one_process_step(comm, monkeypatch, wrapper):
+    """torch's AMP recipe with a CUDA GradScaler (scale, backward, unscale_, clip_grad_norm_,
+    step, update) through DataParallel and DASO (every rank its own node: the cross-node path)
+    equals one process's step on the combined batch; a step whose gradients overflow on one
+    rank is skipped on every rank."""
+    from heatlike.nn import DataParallel, DataParallelMultiGPU
+    from heatlike.optim import DASO, DataParallelOptimizer
+
+    monkeypatch.delenv("HEATLIKE_NODE_IDS", raising=False)
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", "1")
+    dev, P, r, B = _device(comm), comm.size, comm.rank, 4
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 3)).to(dev)
+    ref = copy.deepcopy(net)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(P * B, 5, generator=g).to(dev), torch.randint(0, 3, (P * B,), generator=g)
+    y = y.to(dev)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    expected = [(p - 0.1 * p.grad).detach() for p in ref.parameters()]
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    if wrapper == "DASO":
+        opt = DASO(torch.optim.SGD(net.parameters(), lr=0.1), total_epochs=3, comm=comm,
+                   warmup_epochs=1, cooldown_epochs=1, downcast_type=torch.float32)
+        opt.add_scaler(scaler)
+        model = DataParallelMultiGPU(net, opt)
+        opt.last_batch = 4
+    else:
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+        model = DataParallel(net, comm, opt)
+    mine = slice(B * r, B * (r + 1))
+    for poison in (False, True):
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[mine]), y[mine])
+        if poison and r == P - 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        if wrapper == "DASO":
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        for p, e in zip(net.parameters(), before if poison else expected):
+            torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+    assert scaler.get_scale() == 512.0
+    model.close()

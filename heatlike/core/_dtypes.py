@@ -4,10 +4,10 @@ Every element type is sent with a *predefined* MPI datatype, so the wrapper neve
 can never leak) derived datatypes:
 
 * types MPI knows (floats, integers, bool, complex) use their MPI counterpart;
-* float16 / bfloat16 use ``MPI.FLOAT16_T`` / ``MPI.BFLOAT16_T`` when the loaded library defines
-  them (not ``DATATYPE_NULL``) and otherwise an unsigned 16-bit integer type, which is exact for
-  moving data. Reductions of half types never rely on either: they accumulate in float32
-  (see ``_halfreduce``);
+* float16 / bfloat16 move as unsigned 16-bit integers: exact for moving data and defined in every
+  library. mpi4py names ``MPI.FLOAT16_T`` even where the loaded library has no such type (Open
+  MPI 4.1 rejects it with ``MPI_ERR_TYPE``), and reductions of half types never use MPI's
+  arithmetic anyway: they accumulate in float32 (see ``_halfreduce``);
 * any other fixed-size torch dtype (float8, complex32, ...) travels as an unsigned integer of the
   same size; it can be moved but not reduced.
 """
@@ -25,11 +25,6 @@ __all__ = [
     "op_name",
     "is_predefined_op",
 ]
-
-
-def _defined(name: str) -> MPI.Datatype | None:
-    t = getattr(MPI, name, MPI.DATATYPE_NULL)
-    return None if t == MPI.DATATYPE_NULL else t
 
 
 #: half-precision dtypes whose reductions the wrapper computes itself with float32 accumulation
@@ -55,8 +50,8 @@ for _name in ("uint16", "uint32", "uint64"):
 
 _TRANSFER: dict[torch.dtype, MPI.Datatype] = dict(_ARITH)
 _TRANSFER[torch.bool] = MPI.C_BOOL
-_TRANSFER[torch.float16] = _defined("FLOAT16_T") or MPI.UINT16_T
-_TRANSFER[torch.bfloat16] = _defined("BFLOAT16_T") or MPI.UINT16_T
+_TRANSFER[torch.float16] = MPI.UINT16_T
+_TRANSFER[torch.bfloat16] = MPI.UINT16_T
 
 _INTEGER = {
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,

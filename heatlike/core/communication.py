@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import _buffers, _nodereduce, _requests, _staging
+from . import _buffers, _launcher, _nodereduce, _requests, _staging
 from . import _halfreduce as _half
 from . import checks as _checks
 from ._buffers import (
@@ -1780,6 +1780,7 @@ def _op_name(op: MPI.Op) -> str | None:
     return next((name for known, name in _OBJECT_OPS if op == known), None)
 
 
+_launcher.check_world_size(MPI.COMM_WORLD)
 MPI_WORLD = MPICommunication(MPI.COMM_WORLD)
 MPI_SELF = MPICommunication(MPI.COMM_SELF)
 
