@@ -76,18 +76,24 @@ def test_the_launcher_runs_a_script_as_python_does(tmp_path):
 @pytest.mark.system
 def test_a_process_the_launcher_counts_as_one_of_several_but_mpi_runs_alone_is_refused():
     """A launcher said N > 1 ranks (PMI_SIZE, as Hydra sets it; OMPI_COMM_WORLD_SIZE, as Open
-    MPI's mpirun does) and MPI started a singleton (mpi4py loaded another library than the
-    launcher's): ``import heatlike`` raises, naming the library, instead of N independent
-    one-rank trainings writing the same files. A size of 1 or HEATLIKE_LAUNCH_CHECK=0 passes."""
+    MPI's mpirun does; SLURM_STEP_NUM_TASKS in an srun step, as with --mpi=none) and MPI started
+    a singleton (mpi4py loaded another library than the launcher's): ``import heatlike`` raises,
+    naming the library, instead of N independent one-rank trainings writing the same files. A
+    size of 1, HEATLIKE_LAUNCH_CHECK=0 and a batch script's shell (SLURM_NTASKS without a step)
+    pass."""
     probe = [sys.executable, "-c", "import heatlike; print('size', heatlike.MPI_WORLD.size)"]
-    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+    step = {"SLURM_STEP_ID": "0", "SLURM_NTASKS": "3"}  # srun's task, without a PMI plugin
+    for name, extra in (("PMI_SIZE", {}), ("OMPI_COMM_WORLD_SIZE", {}),
+                        ("SLURM_STEP_NUM_TASKS", step)):
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
-                              env={**_clean_env(), name: "3"})
+                              env={**_clean_env(), **extra, name: "3"})
         assert proc.returncode != 0, proc.stdout
         assert f"started as one of 3 ranks ({name}=3) but MPI_COMM_WORLD has 1 rank" \
             in proc.stderr, proc.stderr
         assert "mpi4py loaded an MPI library (MPI" in proc.stderr, proc.stderr
-    for extra in ({"PMI_SIZE": "1"}, {"PMI_SIZE": "3", "HEATLIKE_LAUNCH_CHECK": "0"}):
+    batch_shell = {"SLURM_NTASKS": "3", "SLURM_NPROCS": "3", "SLURM_PROCID": "0"}
+    for extra in ({"PMI_SIZE": "1"}, {"PMI_SIZE": "3", "HEATLIKE_LAUNCH_CHECK": "0"},
+                  batch_shell, {**batch_shell, "SLURM_STEP_NUM_TASKS": "3"}):
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
                               env={**_clean_env(), **extra})
         assert proc.returncode == 0 and "size 1" in proc.stdout, (extra, proc.stderr)
