@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mpi4py import MPI
 from test_launch import mpiexec
 
 from heatlike.testing.matrix import _clean_env
@@ -69,10 +70,12 @@ def test_every_example_explains_itself_with_help():
             assert "--device {auto,cpu,cuda}" in stdout, out
 
 
+@pytest.mark.mpi
 def test_bench_progress_bars_only_on_a_terminal(monkeypatch, capsys):
     """Progress bars of ``python -m heatlike.bench`` stay out of output that is not a terminal
     (a file, a pipe, mpiexec's forwarding), where they would tangle with the tables;
-    ``--progress`` asks for them anyway."""
+    ``--progress`` asks for them anyway. Every rank runs the suite, rank 0 alone prints (before:
+    at 2 ranks rank 1 failed its assertion and rank 0 waited for it in the second run)."""
     from heatlike.bench import __main__ as bench
     from heatlike.bench import _common as bench_common
 
@@ -82,13 +85,15 @@ def test_bench_progress_bars_only_on_a_terminal(monkeypatch, capsys):
 
     monkeypatch.setitem(bench.SUITES, "comm", suite)
     monkeypatch.setattr(bench_common, "_PROGRESS", None)
+    rows = 3 if MPI.COMM_WORLD.rank == 0 else 0  # tables and bars are rank 0's
     assert bench.main(["comm"]) == 0
-    out, err = capsys.readouterr()
-    assert out.count("| a table row |") == 3, out
-    assert "fake suite" not in err and "\r" not in err + out, err
-    assert bench.main(["comm", "--progress"]) == 0
-    out, err = capsys.readouterr()
-    assert out.count("| a table row |") == 3 and "fake suite" in err, (out, err)
+    plain = capsys.readouterr()
+    assert bench.main(["comm", "--progress"]) == 0  # collective: every rank, before asserting
+    bars = capsys.readouterr()
+    assert plain.out.count("| a table row |") == rows, plain
+    assert "fake suite" not in plain.err and "\r" not in plain.err + plain.out, plain
+    assert bars.out.count("| a table row |") == rows, bars
+    assert ("fake suite" in bars.err) == (rows > 0), bars
 
 
 def _imported_names(path: Path) -> list[str]:
