@@ -1004,11 +1004,15 @@ def test_one_rank_does_no_work_and_equals_the_bare_model():
     """World size 1 with a lossless codec: no hooks, no copies, no collectives, and bit for bit
     the bare model's training (both modes, with the module's own communicator of one rank)."""
     one = hl.MPI_WORLD.Split(hl.MPI_WORLD.rank)
+    calls = []
+    for name in ("Bcast", "Ibcast", "Allreduce", "Iallreduce", "Allgather", "Iallgather"):
+        setattr(one, name, lambda *a, _name=name, **k: calls.append(_name))
     for blocking in (True, False):
         bare, local = Net(seed=0), Net(seed=0)
         bare_opt = _optimizer("adam", bare)
         dp_opt = DataParallelOptimizer(_optimizer("adam", local), blocking=blocking)
         model = DataParallel(local, one, optimizer=dp_opt)
+        assert calls == []  # before: the initial broadcast packed and sent the whole model
         assert model.grad_sync.passthrough and not model.grad_sync._hooks
         for step in range(3):
             x, y = _data(step, B)
@@ -1017,7 +1021,9 @@ def test_one_rank_does_no_work_and_equals_the_bare_model():
                 _loss(m(x, y), y).backward()
                 o.step()
             assert torch.equal(_flat(local), _flat(bare))
-        assert model.grad_sync.bytes_sent == 0
+        assert model.grad_sync.bytes_sent == 0 and calls == []
+    for name in ("Bcast", "Ibcast", "Allreduce", "Iallreduce", "Allgather", "Iallgather"):
+        delattr(one, name)
     one.Free()
 
 

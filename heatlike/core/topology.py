@@ -198,7 +198,7 @@ class NeighborGraph:
         if weights not in ("metropolis", "uniform"):
             error = ValueError(f"weights must be 'metropolis' or 'uniform', got {weights!r}")
         raise_together(error, comm)
-        adjacency = comm.handle.allgather(mine)
+        adjacency = comm.allgather(mine)
         raise_together(_graph_error(adjacency), comm)
         self.comm = comm
         self.adjacency = adjacency

@@ -93,7 +93,9 @@ def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = No
 def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
                       root: int = 0) -> None:
     """Collective: replace every tensor of ``tensors`` by ``root``'s, one broadcast per dtype
-    and device."""
+    and device (none on a one-rank communicator: nothing is packed or sent)."""
+    if comm.size == 1 and root == 0:
+        return
     for group in _by_dtype([t for t in tensors if t.numel()]).values():
         flat = pack(group)
         comm.Bcast(flat, root=root)
@@ -103,7 +105,10 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
 @torch.no_grad()
 def average_tensors(tensors: list[torch.Tensor], comm: MPICommunication) -> None:
     """Collective: replace every tensor of ``tensors`` (floating point) by its average over the
-    ranks of ``comm``, one all-reduce per dtype and device, in the tensors' own dtype."""
+    ranks of ``comm``, one all-reduce per dtype and device, in the tensors' own dtype (none on a
+    one-rank communicator)."""
+    if comm.size == 1:
+        return
     for group in _by_dtype([t for t in tensors if t.numel()]).values():
         flat = pack(group)
         comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)

@@ -152,7 +152,7 @@ def select_device(choice: str = "auto", comm=None):
     if choice not in DEVICE_CHOICES:
         error = ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}, got {choice!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    answers = comm.handle.allgather((gpus, choice))
+    answers = comm.allgather((gpus, choice))
     everyone = [n for n, _ in answers]
     if error is None and len({c for _, c in answers}) > 1:  # every rank takes the same path
         error = ValueError(f"the ranks chose different devices: "
