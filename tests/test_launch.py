@@ -97,6 +97,10 @@ def test_a_process_the_launcher_counts_as_one_of_several_but_mpi_runs_alone_is_r
         proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
                               env={**_clean_env(), **extra})
         assert proc.returncode == 0 and "size 1" in proc.stdout, (extra, proc.stderr)
+    proc = subprocess.run(probe, capture_output=True, text=True, timeout=120,
+                          env={**_clean_env(), "HEATLIKE_LAUNCH_CHECK": "maybe"})
+    assert proc.returncode != 0, proc.stdout
+    assert "HEATLIKE_LAUNCH_CHECK='maybe' is not valid" in proc.stderr, proc.stderr
 
 
 @pytest.mark.system

@@ -44,10 +44,9 @@ def launcher_size() -> tuple[str, int] | None:
 def check_world_size(world: MPI.Comm) -> None:
     """``RuntimeError`` when the launcher started this process as one of N > 1 ranks but
     ``world`` has one rank (``HEATLIKE_LAUNCH_CHECK=0`` skips the check)."""
+    enabled = env_flag("HEATLIKE_LAUNCH_CHECK", True)  # a bad value raises here, always
     launched = launcher_size()
-    if launched is None or launched[1] <= 1 or world.Get_size() != 1:
-        return
-    if not env_flag("HEATLIKE_LAUNCH_CHECK", True):
+    if not enabled or launched is None or launched[1] <= 1 or world.Get_size() != 1:
         return
     name, size = launched
     library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
