@@ -213,6 +213,12 @@ JOBS = textwrap.dedent("""
                 fault()
                 time.sleep(12)
             say("nonzero", hl.nonzero(x).gshape)
+        elif case == "late-at-gather":  # a gather of Python objects (checkpoint metadata)
+            comm.allgather(comm.rank)
+            if comm.rank == 1:
+                fault()
+                time.sleep(12)
+            say("gathered", comm.gather(comm.rank, root=0))
         elif case == "mask-against-sum":  # different operations, check mode
             x = hl.array(torch.arange(8.0), split=0)
             x.sum()
@@ -293,17 +299,30 @@ def test_timeout_covers_the_setup_before_a_communicators_first_collective(tmp_pa
     assert "rank 0: sum" not in out, out
 
 
-def test_timeout_covers_operations_that_exchange_python_objects(tmp_path):
-    """nonzero, boolean masks, is_split and the like exchange counts as Python objects: their
-    waits honour HEATLIKE_COMM_TIMEOUT too (before: rank 0 waited the full 20 s)."""
-    code, out, _ = _fault_job(tmp_path, "late-at-nonzero", env={"HEATLIKE_COMM_TIMEOUT": "3"})
+def _rank_0_timed_out(tmp_path, case: str, operation: str) -> str:
+    """Run ``case`` (rank 1 12 s late) with HEATLIKE_COMM_TIMEOUT=3: rank 0 raised TimeoutError
+    in ``operation`` 3 s after the fault (not 12); returns rank 0's error."""
+    code, out, _ = _fault_job(tmp_path, case, env={"HEATLIKE_COMM_TIMEOUT": "3"})
     fault = float(re.findall(r"FAULT ([0-9.]+)$", out, re.M)[0])
     raised = float(re.findall(r"ERROR 0 ([0-9.]+)$", out, re.M)[0])
     assert code != 0 and 2.5 < raised - fault < 8, out
     error = _raised(out, 0)
-    assert error.startswith("TimeoutError: allgather on MPICommunication(rank=0, size=2) did "
-                            "not complete within 3 s"), out
-    assert "ranks [1] have not arrived" in error, out
+    assert error.startswith(f"TimeoutError: {operation} on MPICommunication(rank=0, size=2) "
+                            "did not complete within 3 s"), out
+    return error
+
+
+def test_timeout_covers_operations_that_exchange_python_objects(tmp_path):
+    """nonzero, boolean masks, is_split and the like exchange counts as Python objects: their
+    waits honour HEATLIKE_COMM_TIMEOUT too (before: rank 0 waited the full 20 s)."""
+    error = _rank_0_timed_out(tmp_path, "late-at-nonzero", "allgather")
+    assert "ranks [1] have not arrived" in error, error
+
+
+def test_timeout_covers_the_gather_of_python_objects(tmp_path):
+    """comm.gather (checkpoint.save gathers its metadata with it) honours HEATLIKE_COMM_TIMEOUT
+    (before: mpi4py's raw gather, which waited for ever)."""
+    _rank_0_timed_out(tmp_path, "late-at-gather", "gather(root=0)")
 
 
 def test_check_mode_compares_object_exchanges_with_other_collectives(tmp_path):

@@ -103,8 +103,8 @@ def test_a_different_collective_object_call_raises_on_every_rank():
 
 
 def test_object_collectives_follow_mpi4py():
-    """allgather, bcast and allreduce of Python objects give mpi4py's results (scalars take a
-    checked Allreduce, other objects are combined in rank order)."""
+    """allgather, bcast, gather and allreduce of Python objects give mpi4py's results (objects
+    are combined in rank order)."""
     from mpi4py import MPI
     r, p = COMM.rank, COMM.size
     assert COMM.allgather(("r", r)) == [("r", q) for q in range(p)]
@@ -121,10 +121,24 @@ def test_object_collectives_follow_mpi4py():
     assert COMM.allreduce(True) == p and type(COMM.allreduce(True)) is (int if p > 1 else bool)
     assert COMM.allreduce(1 << 62) == p << 62
     assert COMM.any_rank(r == p - 1) is True and COMM.any_rank(False) is False
+    for root in range(p):  # only the root holds everyone's objects, sizes differing by rank
+        got = COMM.gather({"r": r, "pad": "x" * (100 * r)}, root=root)
+        assert got == ([{"r": q, "pad": "x" * (100 * q)} for q in range(p)] if r == root
+                       else None)
+    with pytest.raises(ValueError, match="root must be a rank"):
+        COMM.gather(r, root=p)
     mine = {"lr": 0.1}  # a copy comes back, at one rank too
     got = COMM.bcast(mine, root=0)
     got["lr"] = 1.0
     assert mine == {"lr": 0.1}
+
+
+def test_a_gather_whose_root_differs_between_ranks_raises_everywhere():
+    """Ranks that gather to different roots raise on every rank, naming each rank's call."""
+    if COMM.size == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(RuntimeError, match=r"rank 0: gather\(root=0\); rank 1: gather\(root=1\)"):
+        COMM.gather("x", root=min(COMM.rank, 1))
 
 
 def test_a_distributed_dndarray_has_no_single_dlpack_buffer():

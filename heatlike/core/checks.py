@@ -655,10 +655,63 @@ def gather_objects(comm, obj: object, what: str) -> list:
     rank's ``what`` travels with its object: ranks that met here from different calls (one
     agreeing on settings, another re-planning buckets) raise RuntimeError on every rank, naming
     each rank's call."""
+    waiter = _object_waiter(comm, what)
+    if waiter is None:
+        return _same_call(comm.handle.allgather((what, obj)), comm)
+    data = np.frombuffer(pickle.dumps((what, obj)), dtype=np.uint8)
+    sizes = np.zeros(comm.size, dtype=np.int64)
+    waiter(comm.handle.Iallgather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
+                                  [sizes, MPI.INT64_T]))
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
+    waiter(comm.handle.Iallgatherv([data, MPI.BYTE],
+                                   [everyone, (sizes.tolist(), displs.tolist()), MPI.BYTE]))
+    return _same_call([pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)],
+                      comm)
+
+
+def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
+    """Collective over the heatlike communicator ``comm``: every rank's ``obj`` in rank order on
+    ``root``, None elsewhere (like mpi4py's pickle-based ``gather``), watched and compared as
+    :func:`gather_objects` is. Only ``root`` holds the others' objects: every rank shares its
+    object's size and a digest of its ``what`` (two integers per rank), and the pickled bytes
+    go to ``root`` alone. Ranks that met from different calls raise RuntimeError on every rank,
+    naming each rank's call (the labels then travel in a second exchange)."""
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    mine = np.array([data.size, zlib.crc32(what.encode())], dtype=np.int64)
+    table = np.zeros((comm.size, 2), dtype=np.int64)
+    waiter = _object_waiter(comm, what)
+    if waiter is None:
+        comm.handle.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
+    else:
+        waiter(comm.handle.Iallgather([mine, MPI.INT64_T], [table, MPI.INT64_T]))
+    if len(set(table[:, 1].tolist())) > 1:  # the same on every rank: all raise here
+        gather_objects(comm, None, what)
+        raise RuntimeError(f"the ranks of {comm!r} met in different collective calls")
+    sizes = table[:, 0]
+    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    everyone = np.empty(int(sizes.sum()) if comm.rank == root else 0, dtype=np.uint8)
+    spec = [everyone, (sizes.tolist(), displs.tolist()), MPI.BYTE] if comm.rank == root \
+        else None
+    if waiter is None:
+        comm.handle.Gatherv([data, MPI.BYTE], spec, root=root)
+    else:
+        waiter(comm.handle.Igatherv([data, MPI.BYTE], spec, root=root))
+    if comm.rank != root:
+        return None
+    return [pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
+
+
+def _object_waiter(comm, what: str) -> Callable[[MPI.Request], None] | None:
+    """How an exchange of objects labelled ``what`` waits for its requests: None when it may
+    use mpi4py's blocking calls (no deadline, no stall warning, no board); else it takes a
+    collective position on the communicator's board (verified like a collective the program
+    calls, compared in check mode) and returns a wait that honours the deadline and raises for
+    ranks known to have ended."""
     board = comm._hub.board
     board = board if board is not None and board.established and not board.closed else None
     if board is None and not watching():
-        return _same_call(comm.handle.allgather((what, obj)), comm)
+        return None
     label = lambda: f"{what} on {comm!r}"  # noqa: E731
     seq = 0
     if board is not None:  # a collective position like any other (module docstring)
@@ -672,17 +725,7 @@ def gather_objects(comm, obj: object, what: str) -> list:
         if board is None:
             _raise_if_ended(comm.handle, comm.rank, label())
 
-    data = np.frombuffer(pickle.dumps((what, obj)), dtype=np.uint8)
-    sizes = np.zeros(comm.size, dtype=np.int64)
-    wait(comm.handle.Iallgather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
-                                [sizes, MPI.INT64_T]), label, board, seq, watch=watch)
-    displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    everyone = np.empty(int(sizes.sum()), dtype=np.uint8)
-    wait(comm.handle.Iallgatherv([data, MPI.BYTE],
-                                 [everyone, (sizes.tolist(), displs.tolist()), MPI.BYTE]),
-         label, board, seq, watch=watch)
-    return _same_call([pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)],
-                      comm)
+    return lambda request: wait(request, label, board, seq, watch=watch)
 
 
 def _same_call(gathered: list[tuple[str, object]], comm) -> list:

@@ -709,6 +709,19 @@ class MPICommunication:
         ``root``'s object reaches every rank once."""
         return self._objects(obj if self.rank == root else None, f"bcast(root={root})")[root]
 
+    def gather(self, obj: object, root: int = 0) -> list | None:
+        """Collective: every rank's ``obj`` in rank order on ``root``, None elsewhere (mpi4py's
+        ``gather``), watched as :meth:`allgather` is; only ``root`` holds the others' objects
+        (:func:`heatlike.core.checks.gather_objects_to`)."""
+        if type(root) is not int or not 0 <= root < self.size:
+            raise ValueError(f"root must be a rank of the communicator (0..{self.size - 1}), "
+                             f"got {root!r}")
+        if self.size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        if _checks.checking():
+            self._arrival_board(f"gather(root={root})")
+        return _checks.gather_objects_to(self, obj, f"gather(root={root})", root)
+
     def allreduce(self, obj: object, op: MPI.Op = MPI.SUM) -> object:
         """Collective: ``obj`` combined over the ranks with ``op`` (mpi4py's ``allreduce``),
         watched as :meth:`allgather` is: every rank's object is gathered and combined in rank

@@ -679,7 +679,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         error = e
     raise_together(error, comm, (CheckpointError,))
 
-    everyone = comm.handle.gather((sections, digests), root=0)
+    everyone = comm.gather((sections, digests), root=0)
     if comm.rank == 0:
         split = _per_rank_parts(everyone)
     split = comm.bcast(split if comm.rank == 0 else None, root=0)
