@@ -139,6 +139,9 @@ def test_a_gather_whose_root_differs_between_ranks_raises_everywhere():
         pytest.skip("needs two ranks")
     with pytest.raises(RuntimeError, match=r"rank 0: gather\(root=0\); rank 1: gather\(root=1\)"):
         COMM.gather("x", root=min(COMM.rank, 1))
+    # a root that is no rank, on one rank only: every rank raises (before: that rank alone)
+    with pytest.raises(RuntimeError, match=rf"rank 0: gather\(root={COMM.size}\); rank 1: "):
+        COMM.gather("x", root=COMM.size if COMM.rank == 0 else 0)
 
 
 def test_a_distributed_dndarray_has_no_single_dlpack_buffer():

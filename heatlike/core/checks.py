@@ -675,8 +675,10 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
     ``root``, None elsewhere (like mpi4py's pickle-based ``gather``), watched and compared as
     :func:`gather_objects` is. Only ``root`` holds the others' objects: every rank shares its
     object's size and a digest of its ``what`` (two integers per rank), and the pickled bytes
-    go to ``root`` alone. Ranks that met from different calls raise RuntimeError on every rank,
-    naming each rank's call (the labels then travel in a second exchange)."""
+    go to ``root`` alone. Ranks that met from different calls (``what`` names the root, so
+    ranks with different roots too) raise RuntimeError on every rank, naming each rank's call
+    (the labels then travel in a second exchange); a root that is no rank raises ValueError on
+    every rank, after that exchange."""
     data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
     mine = np.array([data.size, zlib.crc32(what.encode())], dtype=np.int64)
     table = np.zeros((comm.size, 2), dtype=np.int64)
@@ -688,6 +690,7 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
     if len(set(table[:, 1].tolist())) > 1:  # the same on every rank: all raise here
         gather_objects(comm, None, what)
         raise RuntimeError(f"the ranks of {comm!r} met in different collective calls")
+    check_root(root, comm.size)  # the same root on every rank (it is in the label): all raise
     sizes = table[:, 0]
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     everyone = np.empty(int(sizes.sum()) if comm.rank == root else 0, dtype=np.uint8)
@@ -700,6 +703,12 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
     if comm.rank != root:
         return None
     return [pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
+
+
+def check_root(root: object, size: int) -> None:
+    """ValueError unless ``root`` is a rank of a communicator of ``size`` ranks."""
+    if type(root) is not int or not 0 <= root < size:
+        raise ValueError(f"root must be a rank of the communicator (0..{size - 1}), got {root!r}")
 
 
 def _object_waiter(comm, what: str) -> Callable[[MPI.Request], None] | None:

@@ -713,10 +713,8 @@ class MPICommunication:
         """Collective: every rank's ``obj`` in rank order on ``root``, None elsewhere (mpi4py's
         ``gather``), watched as :meth:`allgather` is; only ``root`` holds the others' objects
         (:func:`heatlike.core.checks.gather_objects_to`)."""
-        if type(root) is not int or not 0 <= root < self.size:
-            raise ValueError(f"root must be a rank of the communicator (0..{self.size - 1}), "
-                             f"got {root!r}")
         if self.size == 1:
+            _checks.check_root(root, 1)
             return [pickle.loads(pickle.dumps(obj))]
         if _checks.checking():
             self._arrival_board(f"gather(root={root})")
