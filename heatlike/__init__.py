@@ -38,3 +38,7 @@ from .core.tensor import *  # noqa: F401, F403
 # isort: split
 # training, reachable as attributes like Heat's (heatlike.nn.DataParallel, heatlike.optim.DASO)
 from . import nn, optim  # noqa: E402, F401
+
+# isort: split
+# an uncaught exception on one rank of a multi-rank job aborts the job (heatlike.utils.launch)
+utils.launch.install_default_abort_handler()

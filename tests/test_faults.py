@@ -56,7 +56,10 @@ def _job(tmp_path, text: str, case: str, ranks: int, env: dict | None, launcher:
          limit: float = 90):
     """Run ``text`` as an MPI job of ``ranks`` ranks (under ``python -m heatlike`` or plain);
     a job still running after ``limit`` seconds is killed with its whole process group and
-    reported as hung. Returns (returncode or None, output, elapsed seconds, processes left)."""
+    reported as hung. Returns (returncode or None, output, elapsed seconds, processes left).
+    A plain job runs without the abort of ``import heatlike`` (unless ``env`` sets
+    ``HEATLIKE_ABORT_ON_EXCEPTION``): what it tests is heatlike's checks on their own, which
+    must also hold where a program installs its own ``sys.excepthook``."""
     script = tmp_path / "job.py"
     script.write_text(text)
     token = uuid.uuid4().hex
@@ -64,7 +67,9 @@ def _job(tmp_path, text: str, case: str, ranks: int, env: dict | None, launcher:
            str(script), case, token]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**_clean_env(), **(env or {})}, start_new_session=True)
+                            env={**_clean_env(), **({} if launcher else
+                                                     {"HEATLIKE_ABORT_ON_EXCEPTION": "0"}),
+                                 **(env or {})}, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=limit)
         code = proc.returncode
@@ -367,6 +372,18 @@ def test_a_rank_that_exits_early_is_named_not_matched(tmp_path, launcher, rma):
         assert error.startswith("RuntimeError: Allreduce on MPICommunication(rank=0, size=2) "
                                 "can never complete: rank 1 ended its program after 1 "
                                 "collective(s)"), out
+
+
+def test_an_uncaught_exception_on_one_rank_aborts_a_plain_job(tmp_path):
+    """``import heatlike`` alone (plain mpiexec, no launcher, no timeout): rank 1 fails before
+    the first collective, which rank 0 waits in; the job ends at once with rank 1 and its
+    traceback named, instead of rank 0 waiting forever."""
+    code, out, to_end = _fault_job(tmp_path, "dead-before-first-collective",
+                                   env={"HEATLIKE_ABORT_ON_EXCEPTION": "1"})
+    assert code != 0 and to_end < 10, out
+    assert "heatlike: uncaught exception on rank 1 of 2" in out, out
+    assert "ValueError: rank 1 fails before any collective" in out, out
+    assert "rank 0: sum" not in out, out
 
 
 def test_a_rank_that_exits_during_training_is_named(tmp_path):

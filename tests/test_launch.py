@@ -34,8 +34,10 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("how", ["python -m heatlike", "decorator"])
+@pytest.mark.parametrize("how", ["python -m heatlike", "decorator", "import heatlike"])
 def test_exception_on_one_rank_aborts_job(tmp_path, how):
+    """Under the launcher, with the decorator, and with nothing but ``import heatlike`` in a
+    plain ``mpiexec`` job (the default handler)."""
     decorate = "@heatlike.utils.abort_on_exception()" if how == "decorator" else ""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT.format(decorate=decorate))
@@ -49,6 +51,36 @@ def test_exception_on_one_rank_aborts_job(tmp_path, how):
     assert elapsed < 30, f"abort took {elapsed:.1f} s"
     assert "uncaught exception on rank 1 of 3" in out, out
     assert "RuntimeError: boom on purpose" in out and "Traceback" in out, out
+
+
+@pytest.mark.system
+def test_the_default_handler_keeps_a_programs_own_hook_and_can_be_turned_off(tmp_path):
+    """``import heatlike`` installs its abort on uncaught exceptions only in a job of several
+    ranks, never over a hook the program installed, and not with
+    ``HEATLIKE_ABORT_ON_EXCEPTION=0``."""
+    script = tmp_path / "hooks.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        own = len(sys.argv) > 1
+        if own:
+            sys.excepthook = lambda *exc: None
+        before = sys.excepthook
+        import heatlike
+        from heatlike.utils import launch
+        print("hook", heatlike.MPI_WORLD.size, own,
+              "heatlike" if sys.excepthook is launch._excepthook else
+              "same" if sys.excepthook is before else "other", flush=True)
+    """))
+    runs = {(3, False, "1"): "heatlike", (3, True, "1"): "same", (3, False, "0"): "same",
+            (1, False, "1"): "same"}
+    for (ranks, own, flag), expected in runs.items():
+        proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(script),
+                               *(["own"] if own else [])], capture_output=True, text=True,
+                              timeout=60, env={**_clean_env(),
+                                               "HEATLIKE_ABORT_ON_EXCEPTION": flag})
+        lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("hook"))
+        assert proc.returncode == 0 and lines == [f"hook {ranks} {own} {expected}"] * ranks, \
+            (ranks, own, flag, proc.stdout + proc.stderr)
 
 
 @pytest.mark.system

@@ -125,8 +125,11 @@ def test_object_collectives_follow_mpi4py():
         got = COMM.gather({"r": r, "pad": "x" * (100 * r)}, root=root)
         assert got == ([{"r": q, "pad": "x" * (100 * q)} for q in range(p)] if r == root
                        else None)
-    with pytest.raises(ValueError, match="root must be a rank"):
-        COMM.gather(r, root=p)
+    for bad in (p, -1, 0.0):  # a root that is no rank (-1 is no "last rank")
+        with pytest.raises(ValueError, match="root must be a rank"):
+            COMM.gather(r, root=bad)
+        with pytest.raises(ValueError, match="root must be a rank"):
+            COMM.bcast(r, root=bad)
     mine = {"lr": 0.1}  # a copy comes back, at one rank too
     got = COMM.bcast(mine, root=0)
     got["lr"] = 1.0
@@ -134,7 +137,8 @@ def test_object_collectives_follow_mpi4py():
 
 
 def test_a_gather_whose_root_differs_between_ranks_raises_everywhere():
-    """Ranks that gather to different roots raise on every rank, naming each rank's call."""
+    """Ranks that gather (or broadcast) from different roots raise on every rank, naming each
+    rank's call."""
     if COMM.size == 1:
         pytest.skip("needs two ranks")
     with pytest.raises(RuntimeError, match=r"rank 0: gather\(root=0\); rank 1: gather\(root=1\)"):
@@ -142,6 +146,8 @@ def test_a_gather_whose_root_differs_between_ranks_raises_everywhere():
     # a root that is no rank, on one rank only: every rank raises (before: that rank alone)
     with pytest.raises(RuntimeError, match=rf"rank 0: gather\(root={COMM.size}\); rank 1: "):
         COMM.gather("x", root=COMM.size if COMM.rank == 0 else 0)
+    with pytest.raises(RuntimeError, match=rf"rank 0: bcast\(root={COMM.size}\); rank 1: "):
+        COMM.bcast("x", root=COMM.size if COMM.rank == 0 else 0)
 
 
 def test_a_distributed_dndarray_has_no_single_dlpack_buffer():

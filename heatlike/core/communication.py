@@ -706,8 +706,12 @@ class MPICommunication:
     def bcast(self, obj: object = None, root: int = 0) -> object:
         """Collective: ``root``'s ``obj`` on every rank (mpi4py's ``bcast``), watched as
         :meth:`allgather` is: an all-gather in which the other ranks contribute ``None``, so
-        ``root``'s object reaches every rank once."""
-        return self._objects(obj if self.rank == root else None, f"bcast(root={root})")[root]
+        ``root``'s object reaches every rank once. A root that is no rank raises ValueError on
+        every rank, after the exchange (the root is in the call's label, so ranks that passed
+        different roots raise there, on every rank)."""
+        gathered = self._objects(obj if self.rank == root else None, f"bcast(root={root!r})")
+        _checks.check_root(root, self.size)
+        return gathered[root]
 
     def gather(self, obj: object, root: int = 0) -> list | None:
         """Collective: every rank's ``obj`` in rank order on ``root``, None elsewhere (mpi4py's

@@ -4,7 +4,9 @@ When one rank of an MPI job dies from an exception while the others wait in a co
 job hangs until the batch system kills it. With :func:`install_abort_handler` (or
 ``python -m heatlike script.py``, or the :func:`abort_on_exception` decorator / context manager)
 an uncaught exception on any rank prints the rank and the traceback to stderr and calls
-``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job. The same handlers make a rank
+``MPI_Abort`` on ``COMM_WORLD``, which ends every rank of the job. ``import heatlike`` installs
+the main thread's part of it in jobs of several ranks (:func:`install_default_abort_handler`).
+The full handlers also make a rank
 whose program ends while another rank waits for it in a collective abort the job, naming both
 (see ``heatlike.core.checks``, "End of the program").
 """
@@ -25,8 +27,8 @@ from mpi4py import MPI
 
 from ..core import checks as _checks
 
-__all__ = ["install_abort_handler", "abort_on_exception", "abort_job", "run_script",
-           "configure_threads", "select_device", "DEVICE_CHOICES"]
+__all__ = ["install_abort_handler", "install_default_abort_handler", "abort_on_exception",
+           "abort_job", "run_script", "configure_threads", "select_device", "DEVICE_CHOICES"]
 
 
 def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
@@ -67,6 +69,25 @@ def install_abort_handler() -> None:
         sys.excepthook = _excepthook
         threading.excepthook = _thread_excepthook
         _checks.abort_on_deadlock(True)
+
+
+def install_default_abort_handler() -> bool:
+    """Run at ``import heatlike``: in a job of more than one rank, an uncaught exception in the
+    main thread aborts the job with the rank and the traceback (as under ``python -m
+    heatlike``) instead of ending this rank alone while the others wait for it in a collective
+    forever. Left out, and False returned: one rank; an interactive interpreter (``python -i``,
+    where an error at the prompt is no end of the program); a ``sys.excepthook`` someone else
+    installed (IPython, a framework's reporter: theirs is kept); ``HEATLIKE_ABORT_ON_EXCEPTION=0``.
+    Threads and the end of a program that another rank waits for are covered only by
+    :func:`install_abort_handler`."""
+    from ..core.env import env_flag
+
+    enabled = env_flag("HEATLIKE_ABORT_ON_EXCEPTION", True)  # a bad value raises, everywhere
+    if not enabled or MPI.COMM_WORLD.Get_size() < 2 or sys.flags.interactive or \
+            hasattr(sys, "ps1") or sys.excepthook is not sys.__excepthook__:
+        return False
+    sys.excepthook = _excepthook
+    return True
 
 
 class abort_on_exception(contextlib.ContextDecorator):
