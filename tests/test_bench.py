@@ -489,6 +489,9 @@ def test_tracker_chrome_trace(comm, mpi_tmp_path):
     assert summary["wait_s"]["comm wait"] >= 0
     with pytest.raises(ValueError):
         tracker.add_span("backwards", 2.0, 1.0)
+    # a file rank 0 cannot write: its error on every rank (before: rank 0 alone raised)
+    with pytest.raises(FileNotFoundError, match="rank 0" if comm.size > 1 else "missing"):
+        tracker.write_chrome_trace(str(mpi_tmp_path / "missing" / "trace.json"), comm)
     path = str(mpi_tmp_path / "trace.json")
     trace = tracker.write_chrome_trace(path, comm)
     if comm.rank != 0:

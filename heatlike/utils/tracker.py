@@ -255,26 +255,33 @@ class Tracker:
         """Collective over ``comm`` (an mpi4py communicator or MPICommunication; default
         ``heatlike.MPI_WORLD``): gather every rank's spans to rank 0 and write them there as a
         Chrome trace (``{"traceEvents": [...]}``, module docstring) to ``path``. Returns the trace
-        on rank 0 and None elsewhere."""
-        if comm is None:
-            from ..core.communication import MPI_WORLD
-            comm = MPI_WORLD
-        handle = getattr(comm, "handle", comm)
-        offset = _clock_offset(handle)
+        on rank 0 and None elsewhere. The exchanges are heatlike's checked ones (a deadline,
+        ended ranks and different calls raise instead of blocking), and a file rank 0 cannot
+        write raises its ``OSError`` on every rank."""
+        from ..core.agreement import raise_together
+        from ..core.communication import MPI_WORLD, sanitize_comm
+
+        comm = sanitize_comm(MPI_WORLD if comm is None else comm)
+        offset = _clock_offset(comm)
         spans = [tuple(s) for s in self.spans]
-        gathered = handle.gather((offset, spans, self.dropped_spans), root=0)
-        if handle.Get_rank() != 0:
-            return None
-        starts = [s[2] + off for off, rank_spans, _ in gathered for s in rank_spans]
-        origin = min(starts) if starts else 0.0
-        events: list[dict] = []
-        for rank, (off, rank_spans, _) in enumerate(gathered):
-            events += _events(rank, rank_spans, off, origin)
-        trace = {"traceEvents": events, "displayTimeUnit": "ms",
-                 "otherData": {"ranks": len(gathered), "clock": "time.perf_counter",
-                               "dropped_spans": sum(d for _, _, d in gathered)}}
-        with open(path, "w") as f:
-            json.dump(trace, f)
+        gathered = comm.gather((offset, spans, self.dropped_spans), root=0)
+        trace, error = None, None
+        if comm.rank == 0:
+            starts = [s[2] + off for off, rank_spans, _ in gathered for s in rank_spans]
+            origin = min(starts) if starts else 0.0
+            events: list[dict] = []
+            for rank, (off, rank_spans, _) in enumerate(gathered):
+                events += _events(rank, rank_spans, off, origin)
+            trace = {"traceEvents": events, "displayTimeUnit": "ms",
+                     "otherData": {"ranks": len(gathered), "clock": "time.perf_counter",
+                                   "dropped_spans": sum(d for _, _, d in gathered)}}
+            try:
+                with open(path, "w") as f:
+                    json.dump(trace, f)
+            except OSError as failed:
+                error = failed
+        raise_together(error, comm, kinds=(OSError, PermissionError, IsADirectoryError,
+                                           NotADirectoryError))
         return trace
 
 
@@ -300,20 +307,20 @@ def _events(pid: int, spans: list[tuple], offset: float, origin: float) -> list[
     return meta + events
 
 
-def _clock_offset(handle, rounds: int = 8) -> float:
-    """Seconds to add to this rank's ``perf_counter`` to get rank 0's (collective): 0 on rank 0's
-    host, else estimated from the shortest of ``rounds`` round trips with rank 0."""
+def _clock_offset(comm, rounds: int = 8) -> float:
+    """Seconds to add to this rank's ``perf_counter`` to get rank 0's (collective over the
+    MPICommunication ``comm``): 0 on rank 0's host, else estimated from the shortest of
+    ``rounds`` round trips with rank 0."""
     from mpi4py import MPI
 
-    host = MPI.Get_processor_name()
-    hosts = handle.allgather(host)
+    hosts = comm.allgather(MPI.Get_processor_name())
     remote = [r for r, h in enumerate(hosts) if h != hosts[0]]
     if not remote:
         return 0.0
-    tag = 7301
+    handle, tag = comm.handle, 7301
     offset = 0.0
-    for r in remote:
-        if handle.Get_rank() == 0:
+    for r in remote:  # every rank knows the same hosts: the messages always pair up
+        if comm.rank == 0:
             best = None
             for _ in range(rounds):
                 sent = time.perf_counter()
@@ -323,7 +330,7 @@ def _clock_offset(handle, rounds: int = 8) -> float:
                 if best is None or back - sent < best[0]:
                     best = (back - sent, (sent + back) / 2 - theirs)
             handle.send(best[1], dest=r, tag=tag)
-        elif handle.Get_rank() == r:
+        elif comm.rank == r:
             for _ in range(rounds):
                 handle.recv(source=0, tag=tag)
                 handle.send(time.perf_counter(), dest=0, tag=tag)
