@@ -344,3 +344,22 @@ def test_grad_scaler_on_the_gpu_gives_the_one_process_step(comm, monkeypatch, wr
             torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
     assert scaler.get_scale() == 512.0
     model.close()
+
+
+@needs_cuda
+def test_sync_batchnorm_on_the_gpu_as_on_the_cpu(comm):
+    """SyncBatchNorm over CUDA inputs: the outputs, input gradients and running statistics of the
+    same batches on the CPU (statistics gathered through host memory)."""
+    device = hl.utils.select_device("cuda", comm)
+    results = {}
+    for where in ("cpu", device):
+        torch.manual_seed(0)
+        norm = hl.nn.SyncBatchNorm(4).to(where)
+        g = torch.Generator().manual_seed(comm.rank)
+        x = (torch.randn(3, 4, 5, 5, generator=g) * 2 + 1).to(where).requires_grad_()
+        out = norm(x)
+        (out * out).sum().backward()
+        results[str(where)] = [t.detach().cpu() for t in (out, x.grad, norm.running_mean,
+                                                          norm.running_var, norm.weight.grad)]
+    for on_cpu, on_gpu in zip(*results.values()):
+        torch.testing.assert_close(on_gpu, on_cpu, atol=1e-5, rtol=1e-4)

@@ -43,6 +43,9 @@ def test_nn_and_optim_names_are_torch_s():
     # heatlike's own names are not replaced by torch's
     assert hnn.DataParallel.__module__ == "heatlike.nn.data_parallel"
     assert hoptim.DataParallelOptimizer.__module__ == "heatlike.optim.dp_optimizer"
+    # torch's SyncBatchNorm needs torch.distributed: heatlike.nn's is heatlike's, over MPI
+    assert hnn.SyncBatchNorm.__module__ == "heatlike.nn.sync_batchnorm"
+    assert issubclass(hnn.SyncBatchNorm, torch.nn.modules.batchnorm._BatchNorm)
     from heatlike.nn import Linear  # noqa: F401  (module __getattr__ serves from-imports)
     for module, name in ((hnn, "Linear"), (hoptim, "SGD"), (F, "relu")):
         assert name in dir(module)

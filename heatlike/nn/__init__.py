@@ -18,5 +18,6 @@ from .data_parallel import (  # noqa: F401
     verify_replicas,
 )
 from .join import Join  # noqa: F401
+from .sync_batchnorm import SyncBatchNorm  # noqa: F401
 
 __getattr__, __dir__ = forward_to(__name__, globals(), _torch.nn)

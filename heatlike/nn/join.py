@@ -21,7 +21,9 @@ numbers of iterations (torch's ``Join`` semantics):
 
 ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as soon as one
 rank runs out of inputs. Only the joinables' own collectives are shadowed: other collectives in
-the loop (a metric all-reduce) need the same number of calls on every rank.
+the loop (a metric all-reduce) need the same number of calls on every rank, and a model with a
+:class:`~heatlike.nn.SyncBatchNorm` (whose every forward needs every rank's batch) joins only with
+``throw_on_early_termination=True`` (``ValueError`` on every rank otherwise).
 
 Joinables: :class:`~heatlike.nn.DataParallel` (with its DataParallelOptimizer, if any), the
 centralized gradient-averaging optimizers (``CentralizedSGD``, ``CentralizedAdam``,
@@ -43,6 +45,7 @@ from ..core.communication import MPICommunication, sanitize_comm
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
 from .data_parallel import DataParallel
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = ["Join"]
 
@@ -109,6 +112,14 @@ class Join:
         if error is None and self.torch_optimizers and not self.models:
             error = ValueError("torch optimizers join through a DataParallel model: pass the "
                                "model too")
+        if error is None and enable and not throw_on_early_termination and any(
+                isinstance(m, SyncBatchNorm) for model in self.models
+                for m in model.module.modules()):
+            error = ValueError(
+                "Join cannot stand in for SyncBatchNorm: its statistics need every rank's batch "
+                "in every forward pass, which a rank that ran out of inputs has not. Give every "
+                "rank the same number of batches (heatlike.utils.data.DataLoader does), or use "
+                "Join(..., throw_on_early_termination=True) to stop every rank when one runs out")
         raise_together(error, comm)
         self.comm = comm
         self.enable = bool(enable)
