@@ -194,3 +194,16 @@ def train_small_mlp(comm, blocking: bool, scope) -> list[torch.Tensor]:
         model(x)  # applies the last deferred update in non-blocking mode
         model.close()
     return [p.detach().clone() for p in net.parameters()]
+
+
+def raises_on_every_rank(comm, kinds, fn, match: str = "") -> None:
+    """``fn()`` raises one of ``kinds`` with ``match`` in its message on this rank, and on every
+    other rank too (checked after the call, so every rank reaches the check)."""
+    try:
+        fn()
+    except kinds as error:
+        assert match in str(error), str(error)
+        raised = 1
+    else:
+        raised = 0
+    assert comm.allreduce(raised, op=MPI.MIN) == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mpi4py import MPI
+from _helpers import raises_on_every_rank
 from torch import nn
 
 import heatlike as hl
@@ -200,26 +200,15 @@ def test_convert_keeps_the_tensors_and_the_mode():
         SyncBatchNorm(3, process_group="world")
 
 
-def _raises_on_every_rank(fn, match: str, kinds=ValueError) -> None:
-    try:
-        fn()
-    except kinds as error:
-        assert match in str(error), str(error)
-        raised = 1
-    else:
-        raised = 0
-    assert COMM.allreduce(raised, op=MPI.MIN) == 1
-
-
 def test_an_input_one_rank_cannot_normalize_raises_on_every_rank():
     sync = SyncBatchNorm(3)
     last = COMM.rank == COMM.size - 1
     for bad in (torch.randn(2, 4, 3), torch.randn(6), torch.ones(2, 3, dtype=torch.int64)):
         x = bad if last else torch.randn(2, 3, 3)
         if COMM.size == 1:  # one process: torch's BatchNorm and its errors
-            _raises_on_every_rank(lambda x=x: sync(x), "", (ValueError, RuntimeError))
+            raises_on_every_rank(COMM, (ValueError, RuntimeError), lambda x=x: sync(x))
         else:
-            _raises_on_every_rank(lambda x=x: sync(x), "SyncBatchNorm")
+            raises_on_every_rank(COMM, ValueError, lambda x=x: sync(x), "SyncBatchNorm")
     untouched = int(sync.num_batches_tracked), sync.running_mean.clone()
     out = sync(torch.randn(2, 3, 3))  # the ranks are still in step
     assert untouched[0] == 0 and untouched[1].eq(0).all()  # a failed batch counts for nothing
@@ -229,20 +218,23 @@ def test_an_input_one_rank_cannot_normalize_raises_on_every_rank():
 def test_one_value_per_channel_raises_on_every_rank():
     sync = SyncBatchNorm(3)
     x = torch.randn(1 if COMM.rank == 0 else 0, 3)
-    _raises_on_every_rank(lambda: sync(x), "Expected more than 1 value per channel")
+    raises_on_every_rank(COMM, ValueError, lambda: sync(x),
+                         "Expected more than 1 value per channel")
 
 
 def test_torch_sync_batchnorm_is_refused_by_data_parallel():
     """Without a torch.distributed group torch's SyncBatchNorm would normalize each rank's batch
     alone, silently: DataParallel raises, naming the conversion."""
     net = nn.SyncBatchNorm.convert_sync_batchnorm(_net())
-    _raises_on_every_rank(lambda: DataParallel(net, COMM), "convert_sync_batchnorm")
+    raises_on_every_rank(COMM, ValueError, lambda: DataParallel(net, COMM),
+                         "convert_sync_batchnorm")
     DataParallel(SyncBatchNorm.convert_sync_batchnorm(net), COMM).close()
 
 
 def test_join_stands_in_for_sync_batchnorm_only_to_stop_every_rank():
     model = DataParallel(SyncBatchNorm.convert_sync_batchnorm(_net()), COMM)
-    _raises_on_every_rank(lambda: hl.nn.Join([model]), "Join cannot stand in for SyncBatchNorm")
+    raises_on_every_rank(COMM, ValueError, lambda: hl.nn.Join([model]),
+                         "Join cannot stand in for SyncBatchNorm")
     with hl.nn.Join([model], throw_on_early_termination=True):
         x, y = _batch(0, COMM.rank)
         nn.functional.cross_entropy(model(x), y).backward()

@@ -12,6 +12,10 @@ A second table times a small conv net with batch norms (:func:`conv_bn`, 16x16 i
 blocking DataParallel with per-rank ``BatchNorm2d`` and with :class:`heatlike.nn.SyncBatchNorm`
 (one all-gather per norm forward, one all-reduce backward), next to DDP with ``BatchNorm2d``
 (torch's own SyncBatchNorm has no CPU kernels): what synchronized statistics cost per step.
+
+A third table trains the 5M MLP with Adam under DataParallel, once with torch's Adam and once
+with :class:`heatlike.optim.ZeroRedundancyOptimizer` over Adam: step time and the optimizer
+state each rank holds (the largest over the ranks).
 """
 
 from __future__ import annotations
@@ -99,19 +103,11 @@ def run_batchnorm(results: Results, quick: bool = False) -> None:
     """The second table (module docstring)."""
     comm = MPI.COMM_WORLD
     variants = ["batchnorm", "syncbn", "ddp"]
-    rounds, steps, warmup = (1, 3, 1) if quick else (4, 10, 3)
     trainers = {v: _norm_trainer(v) for v in variants}
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(BATCH, 1, 16, 16, generator=g)
     y = torch.randint(0, 10, (BATCH,), generator=g)
-    samples: dict[str, list[float]] = {v: [] for v in variants}
-    for v in variants:
-        _step_times(*trainers[v], x, y, warmup)
-    for _ in range(rounds):
-        for v in variants:
-            comm.Barrier()
-            samples[v] += _step_times(*trainers[v], x, y, steps)
-    med = {v: comm.allreduce(statistics.median(s), op=MPI.MAX) for v, s in samples.items()}
+    med = _median_steps(trainers, x, y, quick)
     for v in variants:
         results.add("dp", "conv-bn", f"{v} step time", med[v] * 1e3, "ms")
     results.add("dp", "conv-bn", "syncbn/batchnorm", med["syncbn"] / med["batchnorm"], "ratio")
@@ -120,6 +116,59 @@ def run_batchnorm(results: Results, quick: bool = False) -> None:
               f"{'SyncBN/BN':>9}")
         print(f"{'':>9} {med['batchnorm'] * 1e3:12.2f} {med['syncbn'] * 1e3:10.2f} "
               f"{med['ddp'] * 1e3:10.2f} {med['syncbn'] / med['batchnorm']:9.2f}", flush=True)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+def run_sharded_state(results: Results, quick: bool = False) -> None:
+    """The third table (module docstring)."""
+    from ..optim import ZeroRedundancyOptimizer
+
+    comm = MPI.COMM_WORLD
+    widths = MODELS["mlp-5M"]
+    trainers = {}
+    for v in ("adam", "zero"):
+        net = mlp(widths)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3) if v == "adam" else \
+            ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=1e-3)
+        trainers[v] = (DataParallel(net, MPI_WORLD), opt)
+    g = torch.Generator().manual_seed(comm.Get_rank())
+    x = torch.randn(BATCH, widths[0], generator=g)
+    y = torch.randint(0, widths[-1], (BATCH,), generator=g)
+    med = _median_steps(trainers, x, y, quick)
+    state = {v: comm.allreduce(_state_bytes(opt), op=MPI.MAX) / 2**20
+             for v, (_, opt) in trainers.items()}
+    for v in trainers:
+        results.add("dp", "mlp-5M adam", f"{v} step time", med[v] * 1e3, "ms")
+        results.add("dp", "mlp-5M adam", f"{v} optimizer state per rank", state[v], "MiB")
+    if comm.Get_rank() == 0:
+        print(f"{'adam 5M':>9} {'Adam ms':>9} {'ZeRO ms':>9} {'Adam MiB':>9} {'ZeRO MiB':>9}")
+        print(f"{'':>9} {med['adam'] * 1e3:9.2f} {med['zero'] * 1e3:9.2f} "
+              f"{state['adam']:9.1f} {state['zero']:9.1f}", flush=True)
+
+
+def _median_steps(trainers: dict, x: torch.Tensor, y: torch.Tensor,
+                  quick: bool) -> dict[str, float]:
+    """Each variant's median step time (slowest rank), the variants run in interleaved rounds
+    after a warm-up. ``trainers``: variant -> (model, optimizer[, finish]); ``finish()`` completes
+    pending updates after each run of steps."""
+    comm = MPI.COMM_WORLD
+    rounds, steps, warmup = (1, 3, 1) if quick else (4, 10, 3)
+    samples: dict[str, list[float]] = {v: [] for v in trainers}
+    for model, opt, *finish in trainers.values():  # first steps allocate, rebuild buckets
+        _step_times(model, opt, x, y, warmup)
+        for f in finish:
+            f()
+    for _ in range(rounds):
+        for v, (model, opt, *finish) in trainers.items():
+            comm.Barrier()
+            samples[v] += _step_times(model, opt, x, y, steps)
+            for f in finish:
+                f()
+    return {v: comm.allreduce(statistics.median(s), op=MPI.MAX) for v, s in samples.items()}
 
 
 def _step_times(model, opt, x, y, steps: int) -> list[float]:
@@ -140,7 +189,6 @@ def run(results: Results, quick: bool = False) -> None:
     threads = configure_threads(comm)
     init_gloo(comm)
     variants = ["heatlike-blocking", "heatlike-nonblocking", "ddp"]
-    rounds, steps, warmup = (1, 3, 1) if quick else (4, 10, 3)
     if rank0:
         print(f"# dp: MLP training steps, batch {BATCH} per rank, {threads} torch thread(s) per "
               f"rank, {describe_environment(comm)}")
@@ -152,18 +200,7 @@ def run(results: Results, quick: bool = False) -> None:
         g = torch.Generator().manual_seed(comm.Get_rank())
         x = torch.randn(BATCH, widths[0], generator=g)
         y = torch.randint(0, widths[-1], (BATCH,), generator=g)
-        samples: dict[str, list[float]] = {v: [] for v in variants}
-        for v in variants:  # warm-up (first steps allocate, rebuild buckets)
-            model, opt, finish = trainers[v]
-            _step_times(model, opt, x, y, warmup)
-            finish()
-        for _ in range(rounds):
-            for v in variants:
-                model, opt, finish = trainers[v]
-                comm.Barrier()
-                samples[v] += _step_times(model, opt, x, y, steps)
-                finish()
-        med = {v: comm.allreduce(statistics.median(s), op=MPI.MAX) for v, s in samples.items()}
+        med = _median_steps(trainers, x, y, quick)
         for v in variants:
             results.add("dp", name, f"{v} step time", med[v] * 1e3, "ms")
         results.add("dp", name, "heatlike-blocking/ddp", med["heatlike-blocking"] / med["ddp"],
@@ -176,3 +213,4 @@ def run(results: Results, quick: bool = False) -> None:
                   f"{med['heatlike-blocking'] / med['ddp']:9.2f} "
                   f"{med['heatlike-nonblocking'] / med['ddp']:9.2f}", flush=True)
     run_batchnorm(results, quick)
+    run_sharded_state(results, quick)

@@ -1,6 +1,7 @@
 """Distributed optimizers: thin presets over the engine (``heatlike.engine``).
 
-Heat: DataParallelOptimizer, DASO. mlbench-core: GenericCentralizedOptimizer, CentralizedSGD,
+Heat: DataParallelOptimizer, DASO. torch: ZeroRedundancyOptimizer (sharded optimizer state,
+over MPI). mlbench-core: GenericCentralizedOptimizer, CentralizedSGD,
 CentralizedAdam, CustomCentralizedOptimizer, CentralizedSparsifiedSGD, PowerSGD,
 DecentralizedSGD, SignSGD, SparsifiedSGD, FP16Optimizer. Apache SINGA: DistOpt (and SINGA's
 RMSProp / AdaGrad formulas in ``heatlike.optim.singa``).
@@ -26,5 +27,6 @@ from .decentralized import DecentralizedSGD, consensus_distance  # noqa: F401
 from .distopt import DistOpt  # noqa: F401
 from .dp_optimizer import DataParallelOptimizer  # noqa: F401
 from .fp16 import FP16Optimizer  # noqa: F401
+from .zero import ZeroRedundancyOptimizer  # noqa: F401
 
 __getattr__, __dir__ = forward_to(__name__, globals(), _torch.optim)

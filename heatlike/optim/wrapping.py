@@ -75,7 +75,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"the local optimizer must be a torch.optim.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        if isinstance(optimizer, WrappedOptimizer):
+        if isinstance(optimizer, WrappedOptimizer) or \
+                getattr(optimizer, "_synchronizes_itself", False):
             raise TypeError(f"the local optimizer must be a plain torch optimizer, got "
                             f"heatlike's {type(optimizer).__name__}, which synchronizes itself")
         self.__dict__["_local_optimizer"] = optimizer

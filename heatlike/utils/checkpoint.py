@@ -7,7 +7,8 @@ tree of sections:
               also loads into a plain module)
 ``wrapper``   the wrapper's distributed state (bucket plan, counters, codec state), if wrapped
 ``optimizer`` ``optimizer.state_dict()``: the torch optimizer's state and, for heatlike's
-              optimizers, the engine's state under the key ``"engine"``
+              optimizers, the engine's state under the key ``"engine"`` (a
+              ``ZeroRedundancyOptimizer``'s whole state, its shards gathered on every rank)
 ``classes``   the class of the torch optimizer doing the update (checked by :func:`load`)
 ``rng``       the torch (and CUDA), numpy, Python and ``heatlike.random`` generator states
 ``states``    ``state_dict()`` of every keyword argument that has one (a DataLoader, an LR
@@ -177,7 +178,7 @@ def _tree(model, optimizer, rng: bool, extra: dict, encode: bool = True) -> dict
     stored = _encode if encode else (lambda value, path: value)
     return {"model": bare.state_dict(),
             "wrapper": wrapper.get_extra_state() if wrapper is not None else None,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": _optimizer_state(optimizer),
             "classes": {"optimizer": _torch_class(optimizer)},
             "rng": rng_state() if rng else None,
             "states": {k: stored(v.state_dict(), ("states", k))
@@ -185,16 +186,28 @@ def _tree(model, optimizer, rng: bool, extra: dict, encode: bool = True) -> dict
             "extra": {k: stored(v, ("extra", k)) for k, v in extra.items() if not _stateful(v)}}
 
 
+def _optimizer_state(optimizer) -> dict | None:
+    """``optimizer.state_dict()``; a :class:`heatlike.optim.ZeroRedundancyOptimizer` first
+    gathers its shards' states on every rank (collective, as save and load are; its
+    ``state_dict()`` then gives the whole state without communicating until the next step)."""
+    if optimizer is None:
+        return None
+    if getattr(optimizer, "_synchronizes_itself", False) and \
+            hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=None)
+    return optimizer.state_dict()
+
+
 def _torch_class(optimizer) -> str | None:
     """The class name of the torch optimizer that computes the update: ``optimizer`` itself, or
-    the one a heatlike optimizer drives (``torch_optimizer``, ``local_optimizer``, ``optimizer``
-    or ``opt``, followed down)."""
+    the one a heatlike optimizer drives (``torch_optimizer``, ``local_optimizer``, ``optimizer``,
+    ``opt`` or ``optim``, followed down)."""
     if optimizer is None:
         return None
     seen = {id(optimizer)}
     while True:
         inner = None
-        for attr in ("torch_optimizer", "local_optimizer", "optimizer", "opt"):
+        for attr in ("torch_optimizer", "local_optimizer", "optimizer", "opt", "optim"):
             candidate = getattr(optimizer, attr, None)
             if isinstance(candidate, torch.optim.Optimizer) and id(candidate) not in seen:
                 inner = candidate

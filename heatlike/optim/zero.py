@@ -1,0 +1,292 @@
+"""ZeroRedundancyOptimizer: each rank keeps the optimizer state of its share of the parameters.
+
+torch's ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO stage 1) over MPI, with its
+constructor. Adam's two moments take twice the model's memory on every rank of plain data
+parallelism; here rank r holds them for its *shard* only, about 1/P of the parameters:
+
+* **Partition.** Group by group, the parameters are assigned, largest first, to the rank whose
+  shard is smallest so far (torch's greedy rule; ties to the lowest rank). It depends on the
+  shapes only, so every rank computes the same partition.
+* **Step.** The gradients must already be the averages (``heatlike.nn.DataParallel`` without an
+  ``optimizer=`` puts them in ``.grad`` at the end of ``backward()``). ``step()`` copies the
+  hyperparameters of every group (a scheduler's ``lr``) to a local ``optimizer_class`` that holds
+  this rank's shard, steps it, and then every rank receives every other rank's updated
+  parameters: one ``Allgatherv`` per dtype and device, each rank's shard packed into its place
+  in a flat buffer. The update of a parameter is computed by one rank from the same averaged
+  gradient every rank holds, so the model is the unsharded optimizer's, bit for bit.
+* ``param_groups`` hold *every* parameter (so LR schedulers, ``GradScaler.unscale_`` and
+  gradient clipping see the whole model, and ``GradScaler``'s skip decision is the same on every
+  rank); ``state`` holds this rank's shard's.
+* **State dicts.** ``consolidate_state_dict(to=0)`` (collective) gathers the shards' states on
+  rank ``to`` (``to=None``: on every rank); ``state_dict()`` then returns torch's format for all
+  parameters (global indices), and raises on a rank that holds no consolidated state (torch's
+  behaviour: a hidden collective in ``state_dict()`` would hang a program that calls it on rank 0
+  only). ``load_state_dict`` takes such a full state dict on every rank, at any world size: each
+  rank keeps its shard's entries. :func:`heatlike.utils.checkpoint.save` consolidates on every
+  rank itself.
+
+``parameters_as_bucket_view`` is accepted and changes nothing (the shards are packed at every
+step either way); ``overlap_with_ddp=True`` needs DDP's communication hook and raises.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from ..core.agreement import agree_on, raise_together
+from ..core.communication import MPICommunication, sanitize_comm
+
+__all__ = ["ZeroRedundancyOptimizer", "partition"]
+
+
+def partition(sizes: list[int], ranks: int, totals: list[int] | None = None) -> list[int]:
+    """The rank owning each of the parameters of ``sizes`` elements: largest first, each to the
+    rank with the fewest elements so far (the lowest such rank); ``totals`` (each rank's
+    elements from earlier groups) is updated in place."""
+    totals = [0] * ranks if totals is None else totals
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(ranks), key=lambda r: (totals[r], r))
+        owner[i] = r
+        totals[r] += sizes[i]
+    return owner
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+    """Shard the state of ``optimizer_class(params, **defaults)`` over the ranks of
+    ``process_group`` (module docstring). ``process_group``: an
+    :class:`~heatlike.core.communication.MPICommunication`, an mpi4py communicator, or None
+    (heatlike's default communicator)."""
+
+    _synchronizes_itself = True  # DataParallelOptimizer and the presets refuse to drive it
+
+    def __init__(self, params: Iterable, optimizer_class: type[torch.optim.Optimizer],
+                 process_group: MPICommunication | MPI.Intracomm | None = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any) -> None:
+        comm = sanitize_comm(process_group)
+        error = None
+        if not (isinstance(optimizer_class, type) and
+                issubclass(optimizer_class, torch.optim.Optimizer)):
+            error = TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
+                              f"{optimizer_class!r}")
+        elif getattr(optimizer_class, "_synchronizes_itself", False) or \
+                optimizer_class.__module__.startswith("heatlike."):
+            error = TypeError(f"optimizer_class must be a local torch optimizer, got heatlike's "
+                              f"{optimizer_class.__name__}")
+        elif overlap_with_ddp:
+            error = ValueError("overlap_with_ddp=True needs torch DDP's communication hook; "
+                               "heatlike steps the shards after DataParallel's backward: leave "
+                               "it False")
+        if error is None:
+            try:
+                super().__init__(params, dict(defaults))
+                self._comm = comm
+                self._build(optimizer_class, defaults)
+            except (TypeError, ValueError) as bad:
+                error = bad
+        raise_together(error, comm)
+        agree_on({"optimizer_class": optimizer_class.__qualname__, "defaults": defaults,
+                  "parameters": [[(tuple(p.shape), str(p.dtype)) for p in g["params"]]
+                                 for g in self.param_groups]}, comm, "ZeroRedundancyOptimizer")
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._consolidated: dict | None = None
+
+    # -- the shards ----------------------------------------------------------------------------
+
+    def _build(self, optimizer_class: type[torch.optim.Optimizer], defaults: dict) -> None:
+        """Partition every group and build the local optimizer over this rank's shard."""
+        self.optimizer_class, self._defaults = optimizer_class, dict(defaults)
+        self._owner: dict[int, int] = {}  # id(parameter) -> owning rank
+        self._totals = [0] * self._comm.size  # elements per rank so far, over the groups
+        local_groups = [self._local_group(g) for g in self.param_groups]
+        self.optim = optimizer_class(local_groups, **defaults)
+        self._complete_hyperparameters()
+        self._plan_exchange()
+
+    def _local_group(self, group: dict) -> dict:
+        owners = partition([p.numel() for p in group["params"]], self._comm.size, self._totals)
+        for p, r in zip(group["params"], owners):
+            self._owner[id(p)] = r
+        return {**{k: v for k, v in group.items() if k != "params"},
+                "params": [p for p, r in zip(group["params"], owners) if r == self._comm.rank]}
+
+    def _complete_hyperparameters(self) -> None:
+        """The local optimizer's defaults (``betas``, ...) appear in the full groups too."""
+        for full, local in zip(self.param_groups, self.optim.param_groups):
+            for k, v in local.items():
+                if k != "params":
+                    full.setdefault(k, v)
+
+    def _plan_exchange(self) -> None:
+        """Per dtype and device: the parameters in rank order (each rank's shard in global
+        order), their offsets in a flat buffer, and each rank's element count."""
+        everything = [p for g in self.param_groups for p in g["params"]]
+        self._exchanges = []
+        for key in sorted({(str(p.dtype), str(p.device)) for p in everything}):
+            params = [p for p in everything if (str(p.dtype), str(p.device)) == key]
+            ordered = [p for r in range(self._comm.size) for p in params
+                       if self._owner[id(p)] == r]
+            counts = [sum(p.numel() for p in params if self._owner[id(p)] == r)
+                      for r in range(self._comm.size)]
+            offsets, at = [], 0
+            for p in ordered:
+                offsets.append(at)
+                at += p.numel()
+            self._exchanges.append((ordered, offsets, counts, at))
+        self._buffers: list[torch.Tensor | None] = [None] * len(self._exchanges)
+
+    @property
+    def owned(self) -> list[torch.nn.Parameter]:
+        """This rank's shard: the parameters whose state and update it holds."""
+        return [p for g in self.optim.param_groups for p in g["params"]]
+
+    def owner(self, p: torch.nn.Parameter) -> int:
+        """The rank that updates ``p``."""
+        return self._owner[id(p)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group to every rank's view and partition it (collective when called after
+        construction: every rank must add the same group)."""
+        super().add_param_group(param_group)
+        if "optim" not in self.__dict__:  # torch.optim.Optimizer.__init__ adds the first groups
+            return
+        self.optim.add_param_group(self._local_group(self.param_groups[-1]))
+        self._complete_hyperparameters()
+        self._plan_exchange()
+        agree_on({"parameters": [(tuple(p.shape), str(p.dtype))
+                                 for p in self.param_groups[-1]["params"]]},
+                 self._comm, "ZeroRedundancyOptimizer.add_param_group")
+
+    # -- stepping ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Collective: step this rank's shard with the current hyperparameters, then give every
+        rank every updated parameter."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for full, local in zip(self.param_groups, self.optim.param_groups):
+            for k, v in full.items():
+                if k != "params":
+                    local[k] = v
+        self.optim.step()
+        self._share_parameters()
+        self._consolidated = None
+        return loss
+
+    def _share_parameters(self) -> None:
+        comm = self._comm
+        if comm.size == 1:
+            return
+        for i, (ordered, offsets, counts, total) in enumerate(self._exchanges):
+            if total == 0:
+                continue
+            buffer = self._buffers[i]
+            if buffer is None:
+                buffer = self._buffers[i] = torch.empty(total, dtype=ordered[0].dtype,
+                                                        device=ordered[0].device)
+            mine = [(p, at) for p, at in zip(ordered, offsets) if self._owner[id(p)] == comm.rank]
+            for p, at in mine:
+                buffer[at:at + p.numel()].copy_(p.reshape(-1))
+            comm.Allgatherv(MPI.IN_PLACE, (buffer, counts))
+            for p, at in zip(ordered, offsets):
+                if self._owner[id(p)] != comm.rank:
+                    p.copy_(buffer[at:at + p.numel()].view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def state(self):
+        """This rank's shard's state (per parameter, as any torch optimizer's)."""
+        local = self.__dict__.get("optim")
+        return local.state if local is not None else self.__dict__.get("_full_state", {})
+
+    @state.setter
+    def state(self, value) -> None:
+        local = self.__dict__.get("optim")
+        if local is None:  # torch.optim.Optimizer.__init__ sets an empty one first
+            self.__dict__["_full_state"] = value
+        else:
+            local.state = value
+
+    def _index(self) -> dict[int, int]:
+        """id(parameter) -> its index in torch's state-dict numbering (over every group)."""
+        return {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """Collective: gather every shard's optimizer state on rank ``to`` (every rank with
+        None), for :meth:`state_dict`. The state of the last ``step()``; a later step discards
+        it."""
+        comm = self._comm
+        if to is not None:
+            from ..core.checks import check_root
+            check_root(to, comm.size)
+        index = self._index()
+        mine = {index[id(p)]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor)
+                                   else copy.deepcopy(v))
+                               for k, v in self.optim.state[p].items()}
+                for p in self.owned if p in self.optim.state}
+        everyone = comm.allgather(mine) if to is None else comm.gather(mine, root=to)
+        if everyone is None:
+            self._consolidated = None
+            return
+        state: dict[int, dict] = {}
+        for shard in everyone:
+            state.update(shard)
+        self._consolidated = dict(sorted(state.items()))
+
+    def state_dict(self) -> dict:
+        """torch's format over every parameter (requires :meth:`consolidate_state_dict` on this
+        rank since the last step)."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                "the optimizer state is sharded over the ranks: call "
+                "consolidate_state_dict(to=rank) on every rank first (collective), then "
+                "state_dict() on that rank (heatlike.utils.checkpoint.save does both)")
+        groups, start = [], 0
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(packed)
+        return {"state": {k: dict(v) for k, v in self._consolidated.items()},
+                "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full state dict (:meth:`state_dict`'s, or a plain torch optimizer's over the
+        same parameters) on every rank: each keeps its shard's entries, at any world size."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if groups is None or len(groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(g["params"])
+                for saved, g in zip(groups, self.param_groups)):
+            raise ValueError("the state dict's parameter groups do not match this optimizer's "
+                             "(number of groups or of parameters per group)")
+        index = self._index()
+        saved_ids = [i for saved in groups for i in saved["params"]]
+        by_position = dict(enumerate(saved_ids))  # position over the groups -> saved id
+        local_state, local_groups = {}, []
+        local_position = 0
+        for saved, local in zip(groups, self.optim.param_groups):
+            local_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                                 "params": list(range(local_position,
+                                                      local_position + len(local["params"])))})
+            for p in local["params"]:
+                saved_id = by_position[index[id(p)]]
+                if saved_id in state_dict["state"]:
+                    local_state[local_position] = state_dict["state"][saved_id]
+                local_position += 1
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for saved, full in zip(groups, self.param_groups):
+            full.update({k: v for k, v in saved.items() if k != "params"})
+        self._consolidated = None
