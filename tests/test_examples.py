@@ -43,8 +43,32 @@ def test_digits_example_learns(mode):
     assert "epochs, on cpu" in out or "epochs, on cuda" in out, out  # --device auto
 
 
+@pytest.mark.system
+@pytest.mark.slow  # two jobs of 3 epochs under mpiexec
+def test_cnn_example_learns_and_sharding_the_state_changes_nothing_but_memory():
+    """SyncBatchNorm (the default) with Adam, then the same with its state sharded (--zero):
+    the same losses and accuracy to every printed digit, half the state per rank."""
+    outs = []
+    for extra in ([], ["--zero"]):
+        proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "heatlike",
+                               str(ROOT / "examples" / "cnn_digits.py"), "--epochs", "3",
+                               *extra], capture_output=True, text=True, timeout=180,
+                              env=_clean_env())
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        assert "synchronized batch norm" in out, out
+        outs.append(out)
+    epochs = [[line.split("INFO: ")[1] for line in out.splitlines() if "epoch " in line]
+              for out in outs]
+    assert len(epochs[0]) == 3 and epochs[0] == epochs[1], outs
+    assert float(outs[0].split("test accuracy: ")[-1].split()[0]) >= 0.9, outs[0]
+    state = [ast.literal_eval(out.split("optimizer state per rank (MiB): ")[1].split("\n")[0])
+             for out in outs]
+    assert max(state[1]) < 0.75 * max(state[0]), state
+
+
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
-TRAINING = ("digits.py", "daso_digits.py", "resume.py")  # each takes --device
+TRAINING = ("digits.py", "daso_digits.py", "resume.py", "cnn_digits.py")  # each takes --device
 
 
 @pytest.mark.system
