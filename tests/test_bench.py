@@ -492,6 +492,20 @@ def test_tracker_chrome_trace(comm, mpi_tmp_path):
     # a file rank 0 cannot write: its error on every rank (before: rank 0 alone raised)
     with pytest.raises(FileNotFoundError, match="rank 0" if comm.size > 1 else "missing"):
         tracker.write_chrome_trace(str(mpi_tmp_path / "missing" / "trace.json"), comm)
+    # a span argument JSON cannot hold (rank 0 writes) or pickle cannot send (the last rank's):
+    # every rank raises, and no partial file is left
+    bad = Tracker()
+    bad.add_span("odd", 1.0, 2.0, v={1, 2} if comm.rank == 0 else 1,
+                 f=(lambda: 0) if comm.rank == comm.size - 1 else 1)
+    kinds = (TypeError,) if comm.size > 1 else (TypeError, AttributeError, RuntimeError)
+    with pytest.raises(kinds):
+        bad.write_chrome_trace(str(mpi_tmp_path / "bad.json"), comm)
+    if comm.size > 1:
+        bad = Tracker()
+        bad.add_span("odd", 1.0, 2.0, v={1, 2} if comm.rank == 0 else 1)
+        with pytest.raises(TypeError, match="rank 0"):
+            bad.write_chrome_trace(str(mpi_tmp_path / "bad.json"), comm)
+    assert not (mpi_tmp_path / "bad.json").exists()
     path = str(mpi_tmp_path / "trace.json")
     trace = tracker.write_chrome_trace(path, comm)
     if comm.rank != 0:

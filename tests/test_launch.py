@@ -84,6 +84,28 @@ def test_the_default_handler_keeps_a_programs_own_hook_and_can_be_turned_off(tmp
 
 
 @pytest.mark.system
+@pytest.mark.parametrize("how", ["import heatlike", "python -m heatlike"])
+def test_an_exception_a_program_reports_after_handling_it_aborts_nothing(tmp_path, how):
+    """An embedded console reports a typo's exception through sys.excepthook: printed, and the
+    job goes on (only an uncaught exception, at the bottom of the stack, aborts)."""
+    script = tmp_path / "console.py"
+    script.write_text(textwrap.dedent("""
+        import code
+        import heatlike
+        if heatlike.MPI_WORLD.rank == 0:
+            code.InteractiveConsole().push("1/0")
+        heatlike.MPI_WORLD.Barrier()
+        print("survived", heatlike.MPI_WORLD.rank, flush=True)
+    """))
+    launch = ["-m", "heatlike"] if how.startswith("python") else []
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, *launch, str(script)],
+                          capture_output=True, text=True, timeout=60, env=_clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "ZeroDivisionError" in out, out
+    assert "survived 0" in out and "survived 1" in out and "aborting" not in out, out
+
+
+@pytest.mark.system
 def test_the_launcher_runs_a_script_as_python_does(tmp_path):
     """``python -m heatlike sub/job.py`` as ``python sub/job.py``: the script's sibling modules
     import, ``__file__`` is absolute (before: the import failed, ``__file__`` was relative)."""

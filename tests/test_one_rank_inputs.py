@@ -3,6 +3,8 @@ own piece of an array, its own local tensor, its own node list, its own data set
 raised on every rank with the failing rank named, and the ranks stay in step (before: that rank
 raised alone and the others waited for it in the next collective forever)."""
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -125,7 +127,9 @@ def test_object_collectives_follow_mpi4py():
         got = COMM.gather({"r": r, "pad": "x" * (100 * r)}, root=root)
         assert got == ([{"r": q, "pad": "x" * (100 * q)} for q in range(p)] if r == root
                        else None)
-    for bad in (p, -1, 0.0):  # a root that is no rank (-1 is no "last rank")
+    assert COMM.bcast(r, root=np.int64(p - 1)) == p - 1  # numpy integers are ranks too
+    assert COMM.gather(r, root=np.int32(0)) == (list(range(p)) if r == 0 else None)
+    for bad in (p, -1, 0.0, True):  # a root that is no rank (-1 is no "last rank")
         with pytest.raises(ValueError, match="root must be a rank"):
             COMM.gather(r, root=bad)
         with pytest.raises(ValueError, match="root must be a rank"):
@@ -157,3 +161,25 @@ def test_a_distributed_dndarray_has_no_single_dlpack_buffer():
         with pytest.raises(BufferError):
             hl.from_dlpack(x, is_split=0)
     still_in_step()
+
+
+@pytest.mark.parametrize("watched", [False, True], ids=["plain", "with-a-deadline"])
+def test_an_object_one_rank_cannot_pickle_raises_on_every_rank(watched):
+    """allgather, bcast and gather of Python objects: pickle refusing one rank's object (a
+    lambda) raises TypeError on every rank, naming that rank (before: that rank raised alone and
+    the others waited), with mpi4py's calls and with heatlike's watched ones alike."""
+    last = COMM.size - 1
+    mine = (lambda: 0) if COMM.rank == last else "fine"
+    hl.core.checks.set_timeout(60 if watched else None)
+    try:
+        for call in (lambda: COMM.allgather(mine), lambda: COMM.bcast(mine, root=last),
+                     lambda: COMM.gather(mine, root=0), lambda: COMM.allreduce(mine)):
+            if COMM.size == 1:
+                with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+                    call()
+                continue
+            with pytest.raises(TypeError, match=f"rank {last} could not pickle"):
+                call()
+        assert COMM.allgather(COMM.rank) == list(range(COMM.size))  # still in step
+    finally:
+        hl.core.checks.set_timeout(None)

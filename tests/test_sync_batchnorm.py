@@ -108,6 +108,50 @@ def test_bfloat16_inputs_accumulate_in_float32():
     torch.testing.assert_close(out.float(), expected.detach(), atol=0.05, rtol=0.02)
 
 
+def test_a_large_mean_keeps_torch_s_float32_precision():
+    """Inputs of mean 1e3 and spread 1e-2 in float32: the errors against a float64 computation
+    stay at torch's own float32 BatchNorm's (the shift of the two passes is corrected)."""
+    torch.manual_seed(4)
+    full = 1e3 + 1e-2 * torch.randn(16 * COMM.size, 3, 16, 16, dtype=torch.float64)
+    weights = torch.randn_like(full)
+    mine = slice(16 * COMM.rank, 16 * COMM.rank + 16)
+    errors = {}
+    for name, dtype in (("float64", torch.float64), ("torch", torch.float32),
+                        ("heatlike", torch.float32)):
+        norm = (SyncBatchNorm(3) if name == "heatlike" else nn.BatchNorm2d(3)).to(dtype)
+        xs = (full[mine] if name == "heatlike" else full).to(dtype).clone().requires_grad_()
+        out = norm(xs)
+        (out * weights[mine if name == "heatlike" else slice(None)].to(dtype)).sum().backward()
+        errors[name] = (out.detach().double(), xs.grad.double())
+    reference = [t[mine] for t in errors.pop("float64")]
+    torch_err = [float((a[mine] - r).abs().max()) for a, r in zip(errors["torch"], reference)]
+    ours = [float((a - r).abs().max()) for a, r in zip(errors["heatlike"], reference)]
+    assert all(o <= 3 * t + 1e-6 for o, t in zip(ours, torch_err)), (ours, torch_err)
+
+
+def test_half_inputs_keep_float32_parameter_gradients():
+    """A float16 input to float32 parameters (autocast's case): the bias gradient, a sum over
+    40000 values of 2 per rank, stays float32 (80000 is no float16: it was inf)."""
+    norm = SyncBatchNorm(2)
+    x = torch.randn(40000, 2).to(torch.float16).requires_grad_()
+    out = norm(x)
+    assert out.dtype == torch.float16
+    (2 * out.float()).sum().backward()
+    assert norm.bias.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+    torch.testing.assert_close(norm.bias.grad, torch.full((2,), 80000.0))
+
+
+def test_a_second_derivative_raises_instead_of_being_wrong():
+    norm = SyncBatchNorm(3)
+    x = torch.randn(4, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad((norm(x) ** 3).sum(), x, create_graph=True)
+    kinds = RuntimeError if COMM.size > 1 else ()  # one rank: torch's BatchNorm, differentiable
+    if COMM.size > 1:
+        raises_on_every_rank(COMM, kinds, lambda: grad.sum().backward(), "differentiate twice")
+    else:
+        grad.sum().backward()
+
+
 def test_a_sub_communicator_normalizes_over_its_ranks_only():
     """process_group = the ranks of one parity: each group's statistics are its own."""
     group = COMM.Split(COMM.rank % 2, COMM.rank)
@@ -203,7 +247,8 @@ def test_convert_keeps_the_tensors_and_the_mode():
 def test_an_input_one_rank_cannot_normalize_raises_on_every_rank():
     sync = SyncBatchNorm(3)
     last = COMM.rank == COMM.size - 1
-    for bad in (torch.randn(2, 4, 3), torch.randn(6), torch.ones(2, 3, dtype=torch.int64)):
+    for bad in (torch.randn(2, 4, 3), torch.randn(6), torch.ones(2, 3, dtype=torch.int64),
+                torch.randn(2, 3, 3, dtype=torch.float64)):  # float32 parameters
         x = bad if last else torch.randn(2, 3, 3)
         if COMM.size == 1:  # one process: torch's BatchNorm and its errors
             raises_on_every_rank(COMM, (ValueError, RuntimeError), lambda x=x: sync(x))
@@ -239,3 +284,15 @@ def test_join_stands_in_for_sync_batchnorm_only_to_stop_every_rank():
         x, y = _batch(0, COMM.rank)
         nn.functional.cross_entropy(model(x), y).backward()
     model.close()
+    # a centralized optimizer notices a rank out of inputs only after the forward: never
+    net = SyncBatchNorm.convert_sync_batchnorm(_net())
+    opt = hl.optim.CentralizedSGD(world_size=COMM.size, model=net, lr=0.1, comm=COMM)
+    for throw in (False, True):
+        raises_on_every_rank(COMM, ValueError, lambda throw=throw: hl.nn.Join(
+            [opt], throw_on_early_termination=throw), "centralized optimizer")
+
+
+def test_torch_sync_batchnorm_is_refused_by_the_centralized_optimizers_too():
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(_net())
+    raises_on_every_rank(COMM, ValueError, lambda: hl.optim.CentralizedSGD(
+        world_size=COMM.size, model=net, lr=0.1, comm=COMM), "convert_sync_batchnorm")

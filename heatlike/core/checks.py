@@ -654,11 +654,12 @@ def gather_objects(comm, obj: object, what: str) -> list:
     verified like a collective the program calls. Otherwise it is mpi4py's allgather. Each
     rank's ``what`` travels with its object: ranks that met here from different calls (one
     agreeing on settings, another re-planning buckets) raise RuntimeError on every rank, naming
-    each rank's call."""
+    each rank's call. An object pickle refuses on one rank raises TypeError on every rank."""
     waiter = _object_waiter(comm, what)
+    payload, _ = _pickled((what, obj), what)
     if waiter is None:
-        return _same_call(comm.handle.allgather((what, obj)), comm)
-    data = np.frombuffer(pickle.dumps((what, obj)), dtype=np.uint8)
+        return _same_call([pickle.loads(b) for b in comm.handle.allgather(payload)], comm)
+    data = np.frombuffer(payload, dtype=np.uint8)
     sizes = np.zeros(comm.size, dtype=np.int64)
     waiter(comm.handle.Iallgather([np.array([data.size], dtype=np.int64), MPI.INT64_T],
                                   [sizes, MPI.INT64_T]))
@@ -674,14 +675,17 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
     """Collective over the heatlike communicator ``comm``: every rank's ``obj`` in rank order on
     ``root``, None elsewhere (like mpi4py's pickle-based ``gather``), watched and compared as
     :func:`gather_objects` is. Only ``root`` holds the others' objects: every rank shares its
-    object's size and a digest of its ``what`` (two integers per rank), and the pickled bytes
-    go to ``root`` alone. Ranks that met from different calls (``what`` names the root, so
-    ranks with different roots too) raise RuntimeError on every rank, naming each rank's call
-    (the labels then travel in a second exchange); a root that is no rank raises ValueError on
+    object's size, a digest of its ``what`` and whether pickle refused its object (three
+    integers per rank), and the pickled bytes go to ``root`` alone. Ranks that met from
+    different calls (``what`` names the root, so ranks with different roots too) raise
+    RuntimeError on every rank, naming each rank's call (the labels then travel in a second
+    exchange); a root that is no rank raises ValueError, an object pickle refused TypeError, on
     every rank, after that exchange."""
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
-    mine = np.array([data.size, zlib.crc32(what.encode())], dtype=np.int64)
-    table = np.zeros((comm.size, 2), dtype=np.int64)
+    payload, refused = _pickled(obj, what)
+    data = np.frombuffer(payload, dtype=np.uint8)
+    mine = np.array([data.size, zlib.crc32(what.encode()), refused is not None],
+                    dtype=np.int64)
+    table = np.zeros((comm.size, 3), dtype=np.int64)
     waiter = _object_waiter(comm, what)
     if waiter is None:
         comm.handle.Allgather([mine, MPI.INT64_T], [table, MPI.INT64_T])
@@ -691,6 +695,11 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
         gather_objects(comm, None, what)
         raise RuntimeError(f"the ranks of {comm!r} met in different collective calls")
     check_root(root, comm.size)  # the same root on every rank (it is in the label): all raise
+    if table[:, 2].any():  # the verdicts of every rank, on every rank: all raise
+        bad = int(np.flatnonzero(table[:, 2])[0])
+        reason = refused.error if bad == comm.rank else "see that rank's error"
+        raise TypeError(f"rank {bad} could not pickle its object for {what} ({reason}): "
+                        "exchange plain Python values, arrays or tensors")
     sizes = table[:, 0]
     displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     everyone = np.empty(int(sizes.sum()) if comm.rank == root else 0, dtype=np.uint8)
@@ -705,8 +714,17 @@ def gather_objects_to(comm, obj: object, what: str, root: int) -> list | None:
     return [pickle.loads(everyone[d:d + n].tobytes()) for d, n in zip(displs, sizes)]
 
 
+def as_root(root: object) -> object:
+    """``root`` as a Python int when it is an integer (numpy's too, as mpi4py takes them; not a
+    bool), else unchanged (for :func:`check_root` to refuse): the form a call's label shows."""
+    if isinstance(root, (int, np.integer)) and not isinstance(root, (bool, np.bool_)):
+        return int(root)
+    return root
+
+
 def check_root(root: object, size: int) -> None:
-    """ValueError unless ``root`` is a rank of a communicator of ``size`` ranks."""
+    """ValueError unless ``root`` is a rank of a communicator of ``size`` ranks (an int, after
+    :func:`as_root`)."""
     if type(root) is not int or not 0 <= root < size:
         raise ValueError(f"root must be a rank of the communicator (0..{size - 1}), got {root!r}")
 
@@ -739,14 +757,44 @@ def _object_waiter(comm, what: str) -> Callable[[MPI.Request], None] | None:
 
 def _same_call(gathered: list[tuple[str, object]], comm) -> list:
     """The objects of :func:`gather_objects`, once every rank is known to have called it from the
-    same place (the same ``what``)."""
+    same place (the same ``what``) with an object it could pickle."""
     calls = [what for what, _ in gathered]
     if len(set(calls)) > 1:
         shown = "; ".join(f"rank {r}: {what}" for r, what in enumerate(calls))
         raise RuntimeError(f"the {comm.size} ranks of a communicator met in different "
                            f"collective calls ({shown}): the program took a different path on "
                            "some ranks")
+    _raise_unpicklable([obj for _, obj in gathered])
     return [obj for _, obj in gathered]
+
+
+class Unpicklable:
+    """What a rank sends in an exchange of objects in place of an object pickle refused (the
+    error's text), so that every rank raises instead of that rank alone."""
+
+    def __init__(self, what: str, error: str) -> None:
+        self.what, self.error = what, error
+
+
+def _pickled(obj: object, what: str) -> tuple[bytes, Unpicklable | None]:
+    """``pickle.dumps(obj)``, or that of an :class:`Unpicklable` (also returned) when pickle
+    refuses it. An object ``(label, x)`` keeps its label, so that a different call is still
+    told apart."""
+    try:
+        return pickle.dumps(obj), None
+    except Exception as error:  # noqa: BLE001 - pickle raises many kinds; all are reported
+        bad = Unpicklable(what, f"{type(error).__name__}: {error}")
+        return pickle.dumps((obj[0], bad) if isinstance(obj, tuple) and len(obj) == 2 and
+                            isinstance(obj[0], str) else bad), bad
+
+
+def _raise_unpicklable(objects: list) -> None:
+    """TypeError on every rank when a rank could not pickle its object (the same verdict
+    everywhere: every rank sees every rank's object, or its size, first)."""
+    for rank, obj in enumerate(objects):
+        if isinstance(obj, Unpicklable):
+            raise TypeError(f"rank {rank} could not pickle its object for {obj.what} "
+                            f"({obj.error}): exchange plain Python values, arrays or tensors")
 
 
 def describe(signature) -> str:

@@ -709,6 +709,7 @@ class MPICommunication:
         ``root``'s object reaches every rank once. A root that is no rank raises ValueError on
         every rank, after the exchange (the root is in the call's label, so ranks that passed
         different roots raise there, on every rank)."""
+        root = _checks.as_root(root)
         gathered = self._objects(obj if self.rank == root else None, f"bcast(root={root!r})")
         _checks.check_root(root, self.size)
         return gathered[root]
@@ -717,6 +718,7 @@ class MPICommunication:
         """Collective: every rank's ``obj`` in rank order on ``root``, None elsewhere (mpi4py's
         ``gather``), watched as :meth:`allgather` is; only ``root`` holds the others' objects
         (:func:`heatlike.core.checks.gather_objects_to`)."""
+        root = _checks.as_root(root)
         if self.size == 1:
             _checks.check_root(root, 1)
             return [pickle.loads(pickle.dumps(obj))]

@@ -55,11 +55,28 @@ def check_replicas(module: torch.nn.Module, comm: MPICommunication | None = None
 
 
 def no_trainable_parameters(module: torch.nn.Module, who: str) -> ValueError | None:
-    """The error for a module with nothing to train (None when it has a trainable parameter)."""
-    if any(p.requires_grad for p in module.parameters()):
+    """The error for a module with nothing to train (None when it has a trainable parameter),
+    or for one holding torch's ``SyncBatchNorm`` that cannot synchronize."""
+    if not any(p.requires_grad for p in module.parameters()):
+        return ValueError(f"{who} got a module with no trainable parameters (none, or all with "
+                          "requires_grad=False): there is nothing to synchronize")
+    return torch_sync_batchnorm_error(module)
+
+
+def torch_sync_batchnorm_error(module: torch.nn.Module) -> ValueError | None:
+    """torch's ``SyncBatchNorm`` (or a subclass) without a ``torch.distributed`` process group
+    normalizes each rank's batch alone, silently: refused, naming heatlike's conversion."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
-    return ValueError(f"{who} got a module with no trainable parameters (none, or all with "
-                      "requires_grad=False): there is nothing to synchronize")
+    names = [n or "the module" for n, m in module.named_modules()
+             if isinstance(m, torch.nn.SyncBatchNorm)]
+    if not names:
+        return None
+    return ValueError(
+        f"{names[:3]} {'is' if len(names) == 1 else 'are'} torch.nn.SyncBatchNorm, which without "
+        "a torch.distributed process group normalizes each rank's batch alone: convert the "
+        "model with heatlike.nn.SyncBatchNorm.convert_sync_batchnorm(module) (statistics over "
+        "MPI), or use BatchNorm for per-rank statistics")
 
 
 def _by_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

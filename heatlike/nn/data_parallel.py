@@ -48,22 +48,6 @@ __all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_re
 _BUFFER_MODES = ("broadcast", "average", None)
 
 
-def _torch_sync_batchnorm_error(module: torch.nn.Module) -> ValueError | None:
-    """torch's ``SyncBatchNorm`` without a ``torch.distributed`` process group normalizes each
-    rank's batch alone, silently: refused, naming heatlike's conversion."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return None
-    names = [n or "the module" for n, m in module.named_modules()
-             if type(m) is torch.nn.SyncBatchNorm]
-    if not names:
-        return None
-    return ValueError(
-        f"{names[:3]} {'is' if len(names) == 1 else 'are'} torch.nn.SyncBatchNorm, which without "
-        "a torch.distributed process group normalizes each rank's batch alone: convert the "
-        "model with heatlike.nn.SyncBatchNorm.convert_sync_batchnorm(module) (statistics over "
-        "MPI), or use BatchNorm for per-rank statistics")
-
-
 class DataParallel(torch.nn.Module):
     """Data-parallel wrapper of ``module`` over ``comm``.
 
@@ -141,8 +125,7 @@ class DataParallel(torch.nn.Module):
             error = ValueError(f"sync_buffers must be one of {_BUFFER_MODES}, "
                                f"got {sync_buffers!r}")
         else:
-            error = no_trainable_parameters(module, "DataParallel") or \
-                _torch_sync_batchnorm_error(module)
+            error = no_trainable_parameters(module, "DataParallel")
         if error is None and bucket_cap_mb is None:
             try:
                 bucket_cap_mb = env_float("HEATLIKE_BUCKET_CAP_MB", 25.0, minimum=1e-6,

@@ -22,8 +22,9 @@ numbers of iterations (torch's ``Join`` semantics):
 ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as soon as one
 rank runs out of inputs. Only the joinables' own collectives are shadowed: other collectives in
 the loop (a metric all-reduce) need the same number of calls on every rank, and a model with a
-:class:`~heatlike.nn.SyncBatchNorm` (whose every forward needs every rank's batch) joins only with
-``throw_on_early_termination=True`` (``ValueError`` on every rank otherwise).
+:class:`~heatlike.nn.SyncBatchNorm` (whose every forward needs every rank's batch) joins only as a
+DataParallel model with ``throw_on_early_termination=True`` (``ValueError`` on every rank
+otherwise).
 
 Joinables: :class:`~heatlike.nn.DataParallel` (with its DataParallelOptimizer, if any), the
 centralized gradient-averaging optimizers (``CentralizedSGD``, ``CentralizedAdam``,
@@ -50,6 +51,28 @@ from .sync_batchnorm import SyncBatchNorm
 __all__ = ["Join"]
 
 _CURRENT: list[Join] = []
+
+
+def _sync_batchnorm_error(models: list, optimizers: list, throw: bool) -> ValueError | None:
+    """SyncBatchNorm needs every rank's batch in every forward pass, which a rank out of inputs
+    has not: only a DataParallel model can join with it, and only to stop every rank (its
+    notification comes before the forward; a centralized optimizer's comes after it)."""
+    def has(module) -> bool:
+        return module is not None and any(isinstance(m, SyncBatchNorm) for m in module.modules())
+
+    if any(has(getattr(opt, "model", None)) for opt in optimizers):
+        return ValueError(
+            "Join cannot stand in for SyncBatchNorm in a model trained by a centralized "
+            "optimizer: a rank that ran out of inputs is noticed only when the others' "
+            "gradients are exchanged, after their forward pass already waits for it. Give every "
+            "rank the same number of batches (heatlike.utils.data.DataLoader does)")
+    if not throw and any(has(model.module) for model in models):
+        return ValueError(
+            "Join cannot stand in for SyncBatchNorm: its statistics need every rank's batch in "
+            "every forward pass, which a rank that ran out of inputs has not. Give every rank "
+            "the same number of batches (heatlike.utils.data.DataLoader does), or use "
+            "Join(..., throw_on_early_termination=True) to stop every rank when one runs out")
+    return None
 
 
 class Join:
@@ -112,14 +135,9 @@ class Join:
         if error is None and self.torch_optimizers and not self.models:
             error = ValueError("torch optimizers join through a DataParallel model: pass the "
                                "model too")
-        if error is None and enable and not throw_on_early_termination and any(
-                isinstance(m, SyncBatchNorm) for model in self.models
-                for m in model.module.modules()):
-            error = ValueError(
-                "Join cannot stand in for SyncBatchNorm: its statistics need every rank's batch "
-                "in every forward pass, which a rank that ran out of inputs has not. Give every "
-                "rank the same number of batches (heatlike.utils.data.DataLoader does), or use "
-                "Join(..., throw_on_early_termination=True) to stop every rank when one runs out")
+        if error is None and enable:
+            error = _sync_batchnorm_error(self.models, self.optimizers,
+                                          throw_on_early_termination)
         raise_together(error, comm)
         self.comm = comm
         self.enable = bool(enable)

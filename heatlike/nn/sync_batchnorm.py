@@ -37,13 +37,16 @@ may evaluate on some ranks only) and a one-rank communicator normalize locally t
 input a rank cannot normalize (fewer than 2 dimensions, another number of channels, not floating
 point) raises on every rank: the ranks' verdicts travel in the all-gather. A combined batch of
 one value per channel raises ``ValueError`` on every rank, as torch does for one process. A rank
-may have an empty batch (its count is 0) while the others' are not.
+may have an empty batch (its count is 0) while the others' are not. Every rank of the group must
+be in the same mode (``train()`` or ``eval()``). A second derivative raises (``backward`` is
+``once_differentiable``).
 """
 
 from __future__ import annotations
 
 import torch
 from mpi4py import MPI
+from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..core.communication import MPICommunication, sanitize_comm
@@ -64,7 +67,10 @@ def _accumulation_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _input_error(x: object, num_features: int) -> str | None:
+def _input_error(x: object, num_features: int, like: torch.Tensor | None) -> str | None:
+    """Why this rank cannot normalize ``x`` (None if it can), ``like`` being a parameter or
+    running statistic of the module: torch's rule, the same dtype and device, or a float16 or
+    bfloat16 input to float32 parameters."""
     if not isinstance(x, torch.Tensor):
         return f"SyncBatchNorm expects a tensor, got {type(x).__name__}"
     if x.dim() < 2:
@@ -75,7 +81,31 @@ def _input_error(x: object, num_features: int) -> str | None:
                f"{tuple(x.shape)} (channels on dimension 1)"
     if not x.is_floating_point():
         return f"SyncBatchNorm normalizes floating-point inputs, got {x.dtype}"
+    if like is not None and x.device != like.device:
+        return f"SyncBatchNorm's parameters are on {like.device}, its input on {x.device}"
+    if like is not None and x.dtype != like.dtype and not (
+            x.dtype in (torch.float16, torch.bfloat16) and like.dtype == torch.float32):
+        return f"SyncBatchNorm's parameters are {like.dtype}, its input {x.dtype} (a " \
+               f"float16 or bfloat16 input to float32 parameters is the one mix allowed)"
     return None
+
+
+def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel, the mean and the sum of squared deviations of ``x`` (float64, on the host):
+    the corrected two-pass algorithm. A first pass gives a shift (the mean in the accumulation
+    dtype), the second the deviations d from it, and then mean = shift + sum(d) / n and
+    M2 = sum(d^2) - sum(d)^2 / n, which corrects the shift's rounding: on 32x16x16x16 float32
+    values of mean 1e3 and spread 1e-2 the mean came out exact and the variance within 1.2e-7
+    (relative) of a float64 computation, against 1.4e-4 and 1.8e-4 without the correction, in
+    91 us (float64 sums: 177 us; torch.var_mean over the batch and spatial dimensions: 600 us).
+    """
+    xa, dims = x.detach().to(_accumulation_dtype(x)), _reduced_dims(x)
+    n = x.numel() // x.size(1)
+    shift = xa.mean(dims)
+    d = xa - _per_channel(shift, x.dim())
+    s = d.sum(dims).double()
+    m2 = d.square_().sum(dims).double()
+    return (shift.double() + s / n).cpu(), (m2 - s * s / n).clamp_(min=0).cpu()
 
 
 def global_statistics(x: torch.Tensor | None, num_features: int, comm: MPICommunication,
@@ -88,13 +118,8 @@ def global_statistics(x: torch.Tensor | None, num_features: int, comm: MPICommun
         row[-1] = 1.0
     else:
         n = x.numel() // num_features
-        if n > 0:  # two passes: the mean, then the squared deviations from it (torch.var_mean
-            # over the batch and spatial dimensions took 15x as long on a 32x16x16x16 input)
-            xa, dims = x.detach().to(_accumulation_dtype(x)), _reduced_dims(x)
-            mean = xa.mean(dims)
-            m2 = (xa - _per_channel(mean, x.dim())).square_().sum(dims)
-            row[:num_features] = mean.double().cpu()
-            row[num_features:2 * num_features] = m2.double().cpu()
+        if n > 0:
+            row[:num_features], row[num_features:2 * num_features] = _moments(x)
         row[-2] = n
     rows = torch.empty(comm.size, row.numel(), dtype=torch.float64)
     comm.Allgather(row, rows)
@@ -118,13 +143,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     backward (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, factor, comm):
+    def forward(ctx, x, weight, bias, running_mean, running_var, counter, eps, factor, comm):
         c = x.size(1)
         mean64, var64, total = global_statistics(x, c, comm)
         if running_mean is not None:  # training statistics move the running ones (torch's rule)
             running_mean.mul_(1 - factor).add_(mean64.to(running_mean), alpha=factor)
             running_var.mul_(1 - factor).add_((var64 * total / (total - 1)).to(running_var),
                                               alpha=factor)
+        if counter is not None:  # counted with the running statistics' update, once agreed (a
+            counter.add_(1)  # recomputation by torch.utils.checkpoint counts again, as torch's)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         acc = _accumulation_dtype(x)
         mean = mean64.to(device=x.device, dtype=acc)
         invstd = torch.rsqrt(var64 + eps).to(device=x.device, dtype=acc)
@@ -140,8 +168,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
-    def backward(ctx, dy):
+    @once_differentiable  # the all-reduce and the statistics' dependence on x are not
+    def backward(ctx, dy):  # differentiated: a second derivative raises instead of being wrong
         x, weight, mean, invstd = ctx.saved_tensors
+        bias_dtype = ctx.bias_dtype
         acc, dims = mean.dtype, _reduced_dims(x)
         dy_acc = dy.to(acc)
         xmu = x.to(acc) - _per_channel(mean, x.dim())
@@ -159,8 +189,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if weight is not None and ctx.needs_input_grad[1]:
             grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
         if ctx.needs_input_grad[2]:
-            grad_bias = sum_dy.to(dy.dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None
+            grad_bias = sum_dy.to(bias_dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -212,16 +242,15 @@ class SyncBatchNorm(_BatchNorm):
             if self._counts():  # after the batch went through (torch counts a failed one too)
                 self.num_batches_tracked.add_(1)
             return output
-        error = _input_error(input, self.num_features)
+        error = _input_error(input, self.num_features, self.weight if self.weight is not None
+                             else self.running_mean)
         if error is not None:
             global_statistics(None, self.num_features, comm, error)  # raises on every rank
         track = self.track_running_stats and self.running_mean is not None
-        output = _SyncBatchNormFunction.apply(
+        return _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self.running_mean if track else None,
-            self.running_var if track else None, self.eps, self._factor(), comm)
-        if self._counts():  # counted once the statistics were agreed (no rank raised)
-            self.num_batches_tracked.add_(1)
-        return output
+            self.running_var if track else None,
+            self.num_batches_tracked if self._counts() else None, self.eps, self._factor(), comm)
 
     @classmethod
     def convert_sync_batchnorm(cls, module: torch.nn.Module,

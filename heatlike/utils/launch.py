@@ -51,6 +51,12 @@ def abort_job(exc: BaseException | None = None, errorcode: int = 1) -> None:
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
+    if tb is not None and tb.tb_frame.f_back is not None:
+        # not the end of the program: code reporting an exception it handled (an embedded
+        # console, pdb's interact) through sys.excepthook; the outermost frame of an uncaught
+        # exception's traceback is the bottom of the stack
+        sys.__excepthook__(exc_type, exc, tb)
+        return
     abort_job(exc.with_traceback(tb))
 
 
@@ -76,15 +82,17 @@ def install_default_abort_handler() -> bool:
     main thread aborts the job with the rank and the traceback (as under ``python -m
     heatlike``) instead of ending this rank alone while the others wait for it in a collective
     forever. Left out, and False returned: one rank; an interactive interpreter (``python -i``,
-    where an error at the prompt is no end of the program); a ``sys.excepthook`` someone else
-    installed (IPython, a framework's reporter: theirs is kept); ``HEATLIKE_ABORT_ON_EXCEPTION=0``.
+    ``PYTHONINSPECT``, where an error at the prompt is no end of the program); a
+    ``sys.excepthook`` someone else installed (IPython, a framework's reporter: theirs is kept);
+    ``HEATLIKE_ABORT_ON_EXCEPTION=0``. An exception that code reports through
+    ``sys.excepthook`` after handling it (an embedded console) is printed, not aborted on.
     Threads and the end of a program that another rank waits for are covered only by
     :func:`install_abort_handler`."""
     from ..core.env import env_flag
 
     enabled = env_flag("HEATLIKE_ABORT_ON_EXCEPTION", True)  # a bad value raises, everywhere
     if not enabled or MPI.COMM_WORLD.Get_size() < 2 or sys.flags.interactive or \
-            hasattr(sys, "ps1") or sys.excepthook is not sys.__excepthook__:
+            sys.flags.inspect or hasattr(sys, "ps1") or sys.excepthook is not sys.__excepthook__:
         return False
     sys.excepthook = _excepthook
     return True

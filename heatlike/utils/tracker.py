@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -256,8 +257,10 @@ class Tracker:
         ``heatlike.MPI_WORLD``): gather every rank's spans to rank 0 and write them there as a
         Chrome trace (``{"traceEvents": [...]}``, module docstring) to ``path``. Returns the trace
         on rank 0 and None elsewhere. The exchanges are heatlike's checked ones (a deadline,
-        ended ranks and different calls raise instead of blocking), and a file rank 0 cannot
-        write raises its ``OSError`` on every rank."""
+        ended ranks and different calls raise instead of blocking), span arguments pickle cannot
+        send raise ``TypeError`` on every rank, and a trace rank 0 cannot write (a file it
+        cannot create, an argument JSON cannot hold) raises its error on every rank and leaves
+        ``path`` as it was."""
         from ..core.agreement import raise_together
         from ..core.communication import MPI_WORLD, sanitize_comm
 
@@ -275,10 +278,18 @@ class Tracker:
             trace = {"traceEvents": events, "displayTimeUnit": "ms",
                      "otherData": {"ranks": len(gathered), "clock": "time.perf_counter",
                                    "dropped_spans": sum(d for _, _, d in gathered)}}
-            try:
-                with open(path, "w") as f:
-                    json.dump(trace, f)
-            except OSError as failed:
+            try:  # the whole text first (a span argument JSON cannot hold fails here), then a
+                # temporary file renamed over path: never a partial trace
+                text = json.dumps(trace)
+                temporary = f"{path}.{os.getpid()}.tmp"
+                try:
+                    with open(temporary, "w") as f:
+                        f.write(text)
+                    os.replace(temporary, path)
+                finally:
+                    if os.path.exists(temporary):
+                        os.remove(temporary)
+            except Exception as failed:  # noqa: BLE001 - any failure is every rank's error
                 error = failed
         raise_together(error, comm, kinds=(OSError, PermissionError, IsADirectoryError,
                                            NotADirectoryError))
