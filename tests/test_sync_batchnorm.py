@@ -267,7 +267,14 @@ def test_one_value_per_channel_raises_on_every_rank():
                          "Expected more than 1 value per channel")
 
 
-def test_torch_sync_batchnorm_is_refused_by_data_parallel():
+@pytest.fixture
+def no_torch_distributed(monkeypatch):
+    """As in a program that never started torch.distributed (another test of this process may
+    have: the DDP benchmark's)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+
+
+def test_torch_sync_batchnorm_is_refused_by_data_parallel(no_torch_distributed):
     """Without a torch.distributed group torch's SyncBatchNorm would normalize each rank's batch
     alone, silently: DataParallel raises, naming the conversion."""
     net = nn.SyncBatchNorm.convert_sync_batchnorm(_net())
@@ -292,7 +299,7 @@ def test_join_stands_in_for_sync_batchnorm_only_to_stop_every_rank():
             [opt], throw_on_early_termination=throw), "centralized optimizer")
 
 
-def test_torch_sync_batchnorm_is_refused_by_the_centralized_optimizers_too():
+def test_torch_sync_batchnorm_is_refused_by_the_centralized_optimizers_too(no_torch_distributed):
     net = nn.SyncBatchNorm.convert_sync_batchnorm(_net())
     raises_on_every_rank(COMM, ValueError, lambda: hl.optim.CentralizedSGD(
         world_size=COMM.size, model=net, lr=0.1, comm=COMM), "convert_sync_batchnorm")
