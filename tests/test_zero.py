@@ -206,3 +206,114 @@ def test_bad_input_raises_on_every_rank():
         DataParallelOptimizer(zero)
     with pytest.raises(ValueError, match="root must be a rank"):
         zero.consolidate_state_dict(to=COMM.size)
+
+
+def test_an_error_in_one_rank_s_local_step_raises_on_every_rank():
+    """The owner of a parameter alone steps it: its error (here a hook of its local optimizer)
+    must not leave the other ranks waiting for its shard."""
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    _train(None, steps=1, net=net, opt=opt)
+    if COMM.rank == COMM.size - 1:
+        def refuse(*_):
+            raise RuntimeError("this rank's optimizer refuses")
+        handle = opt.optim.register_step_pre_hook(refuse)
+    raises_on_every_rank(COMM, RuntimeError, opt.step,
+                         "refuses" if COMM.size == 1 else f"on rank {COMM.size - 1}")
+    if COMM.rank == COMM.size - 1:
+        handle.remove()
+    opt.step()  # in step again
+
+
+def test_schedulers_that_cycle_momentum_see_the_local_defaults():
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.01)
+    assert opt.defaults["betas"] == (0.9, 0.999)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    plain_net = _net()
+    plain = torch.optim.Adam(plain_net.parameters(), lr=0.01)
+    plain_sched = torch.optim.lr_scheduler.OneCycleLR(plain, max_lr=0.1, total_steps=10)
+    _train(None, steps=3, net=net, opt=opt, sched=sched)
+    _train(None, steps=3, net=plain_net, opt=plain, sched=plain_sched)
+    _same(net, plain_net)
+    assert opt.param_groups[0]["betas"] == plain.param_groups[0]["betas"]
+
+
+def test_a_model_converted_after_construction_is_re_planned():
+    """model.double() on every rank: the shards travel as float64 (as with plain SGD); on one
+    rank only: RuntimeError on every rank."""
+    net, plain_net = _net(), _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    plain = torch.optim.SGD(plain_net.parameters(), lr=0.1)
+    net.double()
+    plain_net.double()
+    for model, o in ((net, opt), (plain_net, plain)):
+        for step in range(2):
+            x, y = _batch(step, COMM.rank)
+            o.zero_grad()
+            nn.functional.cross_entropy(model(x.double()), y).backward()
+            for p in model.parameters():
+                COMM.Allreduce(hl.IN_PLACE, p.grad)
+                p.grad /= COMM.size
+            o.step()
+    _same(net, plain_net)
+    if COMM.size > 1:
+        if COMM.rank == 0:
+            net.float()
+        raises_on_every_rank(COMM, RuntimeError, opt.step, "differ between the ranks")
+
+
+def test_state_dict_hooks_run_and_a_copy_is_refused():
+    opt = ZeroRedundancyOptimizer(_net().parameters(), torch.optim.Adam, lr=0.01)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load-pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    opt.consolidate_state_dict(to=None)
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["pre", "post", "load-pre", "load-post"]
+    with pytest.raises(TypeError, match="cannot be pickled or copied"):
+        copy.deepcopy(opt)
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_more_bad_input_raises_on_every_rank():
+    net = _net()
+    params = list(net.parameters())
+    last = COMM.rank == COMM.size - 1
+    raises_on_every_rank(COMM, ValueError, lambda: ZeroRedundancyOptimizer(
+        params, torch.optim.LBFGS if last else torch.optim.SGD, lr=0.1), "closure")
+    raises_on_every_rank(COMM, ValueError, lambda: ZeroRedundancyOptimizer(
+        params + params[:1] if last else params, torch.optim.SGD, lr=0.1), "twice")
+    opt = ZeroRedundancyOptimizer(params[:2], torch.optim.SGD, lr=0.1)
+    extra = nn.Linear(2, 2)
+    raises_on_every_rank(COMM, ValueError, lambda: opt.add_param_group(
+        {"params": [params[0]] if last else list(extra.parameters())}), "")
+    assert len(opt.param_groups) == 1  # added nowhere
+    if COMM.size > 1:
+        raises_on_every_rank(COMM, ValueError, lambda: opt.consolidate_state_dict(
+            to=None if last else 0), "differs between ranks")
+
+
+def test_large_parameters_travel_in_place_and_small_ones_packed():
+    """Parameters of 256 KiB or more are broadcast where they are, the rest through the buffer
+    of the small ones; a channels_last (not contiguous) large one is packed: all equal to plain
+    Adam's, on every rank."""
+    torch.manual_seed(3)
+    shapes = [(300, 300), (7,), (256, 300), (3, 5)]
+    ours = [nn.Parameter(torch.randn(s)) for s in shapes]
+    ours.append(nn.Parameter(torch.randn(64, 32, 4, 4).to(memory_format=torch.channels_last)))
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = ZeroRedundancyOptimizer(ours, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(theirs, lr=0.01)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        plain.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
+    assert opt.buffer_bytes <= 4 * (7 + 15 + 64 * 32 * 16)  # the small and packed ones only

@@ -10,10 +10,15 @@ parallelism; here rank r holds them for its *shard* only, about 1/P of the param
 * **Step.** The gradients must already be the averages (``heatlike.nn.DataParallel`` without an
   ``optimizer=`` puts them in ``.grad`` at the end of ``backward()``). ``step()`` copies the
   hyperparameters of every group (a scheduler's ``lr``) to a local ``optimizer_class`` that holds
-  this rank's shard, steps it, and then every rank receives every other rank's updated
-  parameters: one ``Allgatherv`` per dtype and device, each rank's shard packed into its place
-  in a flat buffer. The update of a parameter is computed by one rank from the same averaged
-  gradient every rank holds, so the model is the unsharded optimizer's, bit for bit.
+  this rank's shard and steps it. The ranks then agree, in one small all-gather, that every
+  local step succeeded (an error on one rank, e.g. a gradient the optimizer refuses, raises on
+  every rank before anything is exchanged) and that the parameters' dtypes and devices are the
+  same everywhere (a model converted after construction is re-planned). Then each rank in turn
+  broadcasts its updated shard: parameters of 256 KiB or more where they are, the smaller ones
+  packed per dtype and device into one buffer the size of the largest shard's small parameters
+  (so the exchange keeps no copy of the model). The update of a parameter
+  is computed by one rank from the same averaged gradient every rank holds, so the model is the
+  unsharded optimizer's, bit for bit.
 * ``param_groups`` hold *every* parameter (so LR schedulers, ``GradScaler.unscale_`` and
   gradient clipping see the whole model, and ``GradScaler``'s skip decision is the same on every
   rank); ``state`` holds this rank's shard's.
@@ -26,19 +31,26 @@ parallelism; here rank r holds them for its *shard* only, about 1/P of the param
   rank itself.
 
 ``parameters_as_bucket_view`` is accepted and changes nothing (the shards are packed at every
-step either way); ``overlap_with_ddp=True`` needs DDP's communication hook and raises.
+step either way); ``overlap_with_ddp=True`` needs DDP's communication hook and raises; an
+optimizer whose ``step`` needs a closure (LBFGS: its direction is a function of every
+parameter's gradient) and a parameter listed twice raise ``ValueError``. With
+:class:`heatlike.nn.Join`, pass the optimizer among the joinables (``Join([model, opt])``): a
+rank out of inputs must step it in the others' steps. The optimizer cannot be pickled or
+deep-copied (``TypeError``): save its state with ``consolidate_state_dict`` and ``state_dict``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
-from ..core.agreement import agree_on, raise_together
+from ..core.agreement import agree_on, gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
@@ -70,16 +82,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
         comm = sanitize_comm(process_group)
-        error = None
-        if not (isinstance(optimizer_class, type) and
-                issubclass(optimizer_class, torch.optim.Optimizer)):
-            error = TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
-                              f"{optimizer_class!r}")
-        elif getattr(optimizer_class, "_synchronizes_itself", False) or \
-                optimizer_class.__module__.startswith("heatlike."):
-            error = TypeError(f"optimizer_class must be a local torch optimizer, got heatlike's "
-                              f"{optimizer_class.__name__}")
-        elif overlap_with_ddp:
+        error = _class_error(optimizer_class)
+        if error is None and overlap_with_ddp:
             error = ValueError("overlap_with_ddp=True needs torch DDP's communication hook; "
                                "heatlike steps the shards after DataParallel's backward: leave "
                                "it False")
@@ -97,6 +101,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._consolidated: dict | None = None
 
+    def __getstate__(self):
+        raise TypeError("a ZeroRedundancyOptimizer cannot be pickled or copied (its state is "
+                        "spread over the ranks): call consolidate_state_dict() on every rank, "
+                        "then save state_dict()")
+
     # -- the shards ----------------------------------------------------------------------------
 
     def _build(self, optimizer_class: type[torch.optim.Optimizer], defaults: dict) -> None:
@@ -104,8 +113,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optimizer_class, self._defaults = optimizer_class, dict(defaults)
         self._owner: dict[int, int] = {}  # id(parameter) -> owning rank
         self._totals = [0] * self._comm.size  # elements per rank so far, over the groups
+        for group in self.param_groups:
+            _refuse_duplicates(group)
         local_groups = [self._local_group(g) for g in self.param_groups]
         self.optim = optimizer_class(local_groups, **defaults)
+        # the local optimizer's defaults (betas, momentum) too, as a scheduler reads them
+        self.defaults = {**self.optim.defaults, **self.defaults}
         self._complete_hyperparameters()
         self._plan_exchange()
 
@@ -123,23 +136,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k != "params":
                     full.setdefault(k, v)
 
+    def _layout(self) -> list[tuple[str, str]]:
+        return [(str(p.dtype), str(p.device)) for g in self.param_groups for p in g["params"]]
+
     def _plan_exchange(self) -> None:
-        """Per dtype and device: the parameters in rank order (each rank's shard in global
-        order), their offsets in a flat buffer, and each rank's element count."""
+        """Per dtype and device, and per owning rank: the parameters (in global order) that
+        travel packed, and the largest packed shard, which sizes the one buffer of that dtype
+        and device. A contiguous parameter of at least :data:`DIRECT_BYTES` is broadcast where
+        it is instead (no copy, no buffer)."""
         everything = [p for g in self.param_groups for p in g["params"]]
+        self._planned_layout = self._layout()
         self._exchanges = []
-        for key in sorted({(str(p.dtype), str(p.device)) for p in everything}):
+        for key in sorted(set(self._planned_layout)):
             params = [p for p in everything if (str(p.dtype), str(p.device)) == key]
-            ordered = [p for r in range(self._comm.size) for p in params
-                       if self._owner[id(p)] == r]
-            counts = [sum(p.numel() for p in params if self._owner[id(p)] == r)
+            shards = [[p for p in params if self._owner[id(p)] == r]
                       for r in range(self._comm.size)]
-            offsets, at = [], 0
-            for p in ordered:
-                offsets.append(at)
-                at += p.numel()
-            self._exchanges.append((ordered, offsets, counts, at))
+            packed = max(sum(p.numel() for p in s if not _direct(p)) for s in shards)
+            self._exchanges.append((shards, packed))
         self._buffers: list[torch.Tensor | None] = [None] * len(self._exchanges)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers this rank keeps for the exchange of the small parameters."""
+        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
 
     @property
     def owned(self) -> list[torch.nn.Parameter]:
@@ -151,58 +170,92 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return self._owner[id(p)]
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group to every rank's view and partition it (collective when called after
-        construction: every rank must add the same group)."""
-        super().add_param_group(param_group)
+        """Add a group to every rank's view and partition it (collective after construction:
+        every rank must add the same group; a group torch refuses on one rank, or that differs
+        between ranks, raises on every rank and adds nothing)."""
         if "optim" not in self.__dict__:  # torch.optim.Optimizer.__init__ adds the first groups
+            super().add_param_group(param_group)
             return
+        error, before = None, len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            _refuse_duplicates(self.param_groups[-1])
+        except (TypeError, ValueError) as bad:
+            error = bad
+        added = len(self.param_groups) > before
+        try:
+            raise_together(error, self._comm)
+            agree_on({"parameters": [(tuple(p.shape), str(p.dtype))
+                                     for p in self.param_groups[-1]["params"]]},
+                     self._comm, "ZeroRedundancyOptimizer.add_param_group")
+        except (TypeError, ValueError, RuntimeError):
+            if added:
+                self.param_groups.pop()
+            raise
         self.optim.add_param_group(self._local_group(self.param_groups[-1]))
         self._complete_hyperparameters()
         self._plan_exchange()
-        agree_on({"parameters": [(tuple(p.shape), str(p.dtype))
-                                 for p in self.param_groups[-1]["params"]]},
-                 self._comm, "ZeroRedundancyOptimizer.add_param_group")
 
     # -- stepping ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
         """Collective: step this rank's shard with the current hyperparameters, then give every
-        rank every updated parameter."""
+        rank every updated parameter (module docstring). ``kwargs`` go to the local step."""
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for full, local in zip(self.param_groups, self.optim.param_groups):
-            for k, v in full.items():
-                if k != "params":
-                    local[k] = v
-        self.optim.step()
+        error = None
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for full, local in zip(self.param_groups, self.optim.param_groups):
+                for k, v in full.items():
+                    if k != "params":
+                        local[k] = v
+            self.optim.step(**kwargs)
+        except Exception as bad:  # noqa: BLE001 - any failure here is every rank's
+            error = bad
+        layout = zlib.crc32(repr(self._layout()).encode())
+        layouts = gather_or_raise(layout, error, self._comm, "ZeroRedundancyOptimizer.step")
+        if len(set(layouts)) > 1:
+            raise RuntimeError("the parameters' dtypes or devices differ between the ranks "
+                               "(a model converted on some ranks only): convert it on every rank")
+        if self._layout() != self._planned_layout:  # converted on every rank alike: re-plan
+            self._plan_exchange()
         self._share_parameters()
         self._consolidated = None
         return loss
 
     def _share_parameters(self) -> None:
+        """Each rank in turn broadcasts its updated shard, per dtype and device: its large
+        parameters where they are, the others packed."""
         comm = self._comm
         if comm.size == 1:
             return
-        for i, (ordered, offsets, counts, total) in enumerate(self._exchanges):
-            if total == 0:
-                continue
+        for i, (shards, packed) in enumerate(self._exchanges):
             buffer = self._buffers[i]
-            if buffer is None:
-                buffer = self._buffers[i] = torch.empty(total, dtype=ordered[0].dtype,
-                                                        device=ordered[0].device)
-            mine = [(p, at) for p, at in zip(ordered, offsets) if self._owner[id(p)] == comm.rank]
-            for p, at in mine:
-                buffer[at:at + p.numel()].copy_(p.reshape(-1))
-            comm.Allgatherv(MPI.IN_PLACE, (buffer, counts))
-            for p, at in zip(ordered, offsets):
-                if self._owner[id(p)] != comm.rank:
-                    p.copy_(buffer[at:at + p.numel()].view_as(p))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
+            if buffer is None and packed:
+                first = next(p for s in shards for p in s)
+                buffer = self._buffers[i] = torch.empty(packed, dtype=first.dtype,
+                                                        device=first.device)
+            for r, shard in enumerate(shards):
+                for p in shard:
+                    if _direct(p):
+                        comm.Bcast(p.detach(), root=r)
+                small = [p for p in shard if not _direct(p)]
+                count = sum(p.numel() for p in small)
+                if count == 0:
+                    continue
+                part, at = buffer[:count], 0
+                if r == comm.rank:
+                    for p in small:
+                        part[at:at + p.numel()].copy_(p.reshape(-1))
+                        at += p.numel()
+                comm.Bcast(part, root=r)
+                if r != comm.rank:
+                    for p in small:
+                        p.copy_(part[at:at + p.numel()].view_as(p))
+                        at += p.numel()
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -226,11 +279,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """Collective: gather every shard's optimizer state on rank ``to`` (every rank with
-        None), for :meth:`state_dict`. The state of the last ``step()``; a later step discards
-        it."""
+        None; the same ``to`` on every rank, else ``ValueError`` everywhere), for
+        :meth:`state_dict`. The state of the last ``step()``; a later step discards it."""
         comm = self._comm
+        from ..core.checks import as_root, check_root
+
+        to = None if to is None else as_root(to)
+        agree_on({"to": to}, comm, "ZeroRedundancyOptimizer.consolidate_state_dict")
         if to is not None:
-            from ..core.checks import check_root
             check_root(to, comm.size)
         index = self._index()
         mine = {index[id(p)]: {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor)
@@ -246,26 +302,43 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             state.update(shard)
         self._consolidated = dict(sorted(state.items()))
 
+    def release_state_dict(self) -> None:
+        """Drop the state :meth:`consolidate_state_dict` gathered (it holds every parameter's
+        optimizer state until the next step otherwise)."""
+        self._consolidated = None
+
     def state_dict(self) -> dict:
         """torch's format over every parameter (requires :meth:`consolidate_state_dict` on this
-        rank since the last step)."""
+        rank since the last step); the optimizer's state-dict hooks run as torch's do."""
         if self._consolidated is None:
             raise RuntimeError(
                 "the optimizer state is sharded over the ranks: call "
                 "consolidate_state_dict(to=rank) on every rank first (collective), then "
                 "state_dict() on that rank (heatlike.utils.checkpoint.save does both)")
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
-        return {"state": {k: dict(v) for k, v in self._consolidated.items()},
-                "param_groups": groups}
+        state_dict = {"state": {k: dict(v) for k, v in self._consolidated.items()},
+                      "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state dict (:meth:`state_dict`'s, or a plain torch optimizer's over the
-        same parameters) on every rank: each keeps its shard's entries, at any world size."""
+        same parameters) on every rank: each keeps its shard's entries, at any world size. The
+        optimizer's load-state-dict hooks run as torch's do."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if groups is None or len(groups) != len(self.param_groups) or any(
                 len(saved["params"]) != len(g["params"])
@@ -290,3 +363,40 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for saved, full in zip(groups, self.param_groups):
             full.update({k: v for k, v in saved.items() if k != "params"})
         self._consolidated = None
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+#: parameters of at least this many bytes (contiguous) are broadcast in place, unpacked
+DIRECT_BYTES = 1 << 18
+
+
+def _direct(p: torch.Tensor) -> bool:
+    return p.is_contiguous() and p.numel() * p.element_size() >= DIRECT_BYTES
+
+
+def _class_error(optimizer_class: object) -> Exception | None:
+    """Why ``optimizer_class`` cannot be sharded (None if it can)."""
+    if not (isinstance(optimizer_class, type) and
+            issubclass(optimizer_class, torch.optim.Optimizer)):
+        return TypeError(f"optimizer_class must be a torch.optim.Optimizer class, got "
+                         f"{optimizer_class!r}")
+    if getattr(optimizer_class, "_synchronizes_itself", False) or \
+            optimizer_class.__module__.startswith("heatlike."):
+        return TypeError(f"optimizer_class must be a local torch optimizer, got heatlike's "
+                         f"{optimizer_class.__name__}")
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        return ValueError(f"{optimizer_class.__name__}.step needs a closure: its update is a "
+                          "function of every parameter's gradient (LBFGS), which no shard holds; "
+                          "use it without ZeroRedundancyOptimizer")
+    return None
+
+
+def _refuse_duplicates(group: dict) -> None:
+    seen: set[int] = set()
+    for p in group["params"]:
+        if id(p) in seen:
+            raise ValueError("a parameter appears twice in one parameter group: list it once "
+                             "(its shard would be stepped twice)")
+        seen.add(id(p))

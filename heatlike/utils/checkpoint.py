@@ -685,6 +685,9 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     try:
         _flush_pending(model, optimizer, *extra.values())
         tree = _tree(model, optimizer, rng, extra)
+        release = getattr(optimizer, "release_state_dict", None)
+        if release is not None:  # a ZeroRedundancyOptimizer: every rank held every shard's
+            release()
         _check_storable(tree)
         sections = {name: _structure(section) for name, section in tree.items()}
         digests = {path: _digest(leaf) for path, leaf in _leaves(tree)}
