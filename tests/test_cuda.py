@@ -363,3 +363,25 @@ def test_sync_batchnorm_on_the_gpu_as_on_the_cpu(comm):
                                                           norm.running_var, norm.weight.grad)]
     for on_cpu, on_gpu in zip(*results.values()):
         torch.testing.assert_close(on_gpu, on_cpu, atol=1e-5, rtol=1e-4)
+
+
+@needs_cuda
+def test_zero_redundancy_optimizer_on_the_gpu_as_unsharded(comm):
+    """ZeroRedundancyOptimizer over CUDA parameters (shards broadcast through heatlike's device
+    buffer paths): bitwise the unsharded Adam's parameters on every rank."""
+    device = hl.utils.select_device("cuda", comm)
+    torch.manual_seed(0)
+    shapes = [(300, 300), (7,), (64, 33), (3,)]  # large ones in place, small ones packed
+    ours = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = hl.optim.ZeroRedundancyOptimizer(ours, torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(theirs, lr=0.01)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+            q.grad = p.grad.clone()
+        opt.step()
+        plain.step()
+    for p, q in zip(ours, theirs):
+        assert torch.equal(p, q)
