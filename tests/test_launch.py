@@ -67,9 +67,10 @@ def test_the_default_handler_keeps_a_programs_own_hook_and_can_be_turned_off(tmp
         before = sys.excepthook
         import heatlike
         from heatlike.utils import launch
-        print("hook", heatlike.MPI_WORLD.size, own,
-              "heatlike" if sys.excepthook is launch._excepthook else
-              "same" if sys.excepthook is before else "other", flush=True)
+        which = ("heatlike" if sys.excepthook is launch._excepthook else
+                 "same" if sys.excepthook is before else "other")
+        sys.stdout.write(f"hook {heatlike.MPI_WORLD.size} {own} {which}" + chr(10))
+        sys.stdout.flush()  # one write per line: the launcher interleaves the ranks' writes
     """))
     runs = {(3, False, "1"): "heatlike", (3, True, "1"): "same", (3, False, "0"): "same",
             (1, False, "1"): "same"}
@@ -91,18 +92,21 @@ def test_an_exception_a_program_reports_after_handling_it_aborts_nothing(tmp_pat
     script = tmp_path / "console.py"
     script.write_text(textwrap.dedent("""
         import code
+        import sys
         import heatlike
         if heatlike.MPI_WORLD.rank == 0:
             code.InteractiveConsole().push("1/0")
         heatlike.MPI_WORLD.Barrier()
-        print("survived", heatlike.MPI_WORLD.rank, flush=True)
+        sys.stdout.write(f"survived-{heatlike.MPI_WORLD.rank}\\n")  # one write per line
+        sys.stdout.flush()
     """))
     launch = ["-m", "heatlike"] if how.startswith("python") else []
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, *launch, str(script)],
                           capture_output=True, text=True, timeout=60, env=_clean_env())
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "ZeroDivisionError" in out, out
-    assert "survived 0" in out and "survived 1" in out and "aborting" not in out, out
+    assert proc.returncode == 0 and "ZeroDivisionError" in proc.stderr, out
+    assert "survived-0" in proc.stdout and "survived-1" in proc.stdout, out
+    assert "aborting" not in out, out
 
 
 @pytest.mark.system
