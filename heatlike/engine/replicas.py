@@ -106,14 +106,28 @@ def broadcast_module(module: torch.nn.Module, comm: MPICommunication | None = No
         average_tensors(floats, comm)
 
 
+#: contiguous tensors of at least this many bytes are broadcast where they are, not packed
+DIRECT_BROADCAST_BYTES = 1 << 18
+
+
+def _direct(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.numel() * t.element_size() >= DIRECT_BROADCAST_BYTES
+
+
 @torch.no_grad()
 def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
                       root: int = 0) -> None:
-    """Collective: replace every tensor of ``tensors`` by ``root``'s, one broadcast per dtype
-    and device (none on a one-rank communicator: nothing is packed or sent)."""
+    """Collective: replace every tensor of ``tensors`` by ``root``'s: contiguous tensors of at
+    least :data:`DIRECT_BROADCAST_BYTES` where they are (no copy), the others packed, one
+    broadcast per dtype and device (none on a one-rank communicator: nothing is packed or
+    sent). Every rank must pass tensors of the same shapes, dtypes and layouts."""
     if comm.size == 1 and root == 0:
         return
-    for group in _by_dtype([t for t in tensors if t.numel()]).values():
+    tensors = [t for t in tensors if t.numel()]
+    for t in tensors:
+        if _direct(t):
+            comm.Bcast(t, root=root)
+    for group in _by_dtype([t for t in tensors if not _direct(t)]).values():
         flat = pack(group)
         comm.Bcast(flat, root=root)
         unpack(flat, group)

@@ -13,12 +13,12 @@ parallelism; here rank r holds them for its *shard* only, about 1/P of the param
   this rank's shard and steps it. The ranks then agree, in one small all-gather, that every
   local step succeeded (an error on one rank, e.g. a gradient the optimizer refuses, raises on
   every rank before anything is exchanged) and that the parameters' dtypes and devices are the
-  same everywhere (a model converted after construction is re-planned). Then each rank in turn
-  broadcasts its updated shard: parameters of 256 KiB or more where they are, the smaller ones
-  packed per dtype and device into one buffer the size of the largest shard's small parameters
-  (so the exchange keeps no copy of the model). The update of a parameter
-  is computed by one rank from the same averaged gradient every rank holds, so the model is the
-  unsharded optimizer's, bit for bit.
+  same everywhere (a model converted on every rank alike after construction just works). Then
+  each rank in turn broadcasts its updated shard with the engine's ``broadcast_tensors``:
+  parameters of 256 KiB or more where they are, the smaller ones packed per dtype and device
+  (a transient copy of at most one shard's small parameters; no copy of the model is kept).
+  The update of a parameter is computed by one rank from the same averaged gradient every rank
+  holds, so the model is the unsharded optimizer's, bit for bit.
 * ``param_groups`` hold *every* parameter (so LR schedulers, ``GradScaler.unscale_`` and
   gradient clipping see the whole model, and ``GradScaler``'s skip decision is the same on every
   rank); ``state`` holds this rank's shard's.
@@ -52,6 +52,7 @@ from mpi4py import MPI
 
 from ..core.agreement import agree_on, gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
+from ..engine.replicas import broadcast_tensors
 
 __all__ = ["ZeroRedundancyOptimizer", "partition"]
 
@@ -140,25 +141,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return [(str(p.dtype), str(p.device)) for g in self.param_groups for p in g["params"]]
 
     def _plan_exchange(self) -> None:
-        """Per dtype and device, and per owning rank: the parameters (in global order) that
-        travel packed, and the largest packed shard, which sizes the one buffer of that dtype
-        and device. A contiguous parameter of at least :data:`DIRECT_BYTES` is broadcast where
-        it is instead (no copy, no buffer)."""
+        """Each rank's shard in global order: what it broadcasts after its step."""
         everything = [p for g in self.param_groups for p in g["params"]]
-        self._planned_layout = self._layout()
-        self._exchanges = []
-        for key in sorted(set(self._planned_layout)):
-            params = [p for p in everything if (str(p.dtype), str(p.device)) == key]
-            shards = [[p for p in params if self._owner[id(p)] == r]
-                      for r in range(self._comm.size)]
-            packed = max(sum(p.numel() for p in s if not _direct(p)) for s in shards)
-            self._exchanges.append((shards, packed))
-        self._buffers: list[torch.Tensor | None] = [None] * len(self._exchanges)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the buffers this rank keeps for the exchange of the small parameters."""
-        return sum(b.numel() * b.element_size() for b in self._buffers if b is not None)
+        self._shards = [[p for p in everything if self._owner[id(p)] == r]
+                        for r in range(self._comm.size)]
 
     @property
     def owned(self) -> list[torch.nn.Parameter]:
@@ -220,42 +206,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if len(set(layouts)) > 1:
             raise RuntimeError("the parameters' dtypes or devices differ between the ranks "
                                "(a model converted on some ranks only): convert it on every rank")
-        if self._layout() != self._planned_layout:  # converted on every rank alike: re-plan
-            self._plan_exchange()
         self._share_parameters()
         self._consolidated = None
         return loss
 
     def _share_parameters(self) -> None:
-        """Each rank in turn broadcasts its updated shard, per dtype and device: its large
-        parameters where they are, the others packed."""
-        comm = self._comm
-        if comm.size == 1:
-            return
-        for i, (shards, packed) in enumerate(self._exchanges):
-            buffer = self._buffers[i]
-            if buffer is None and packed:
-                first = next(p for s in shards for p in s)
-                buffer = self._buffers[i] = torch.empty(packed, dtype=first.dtype,
-                                                        device=first.device)
-            for r, shard in enumerate(shards):
-                for p in shard:
-                    if _direct(p):
-                        comm.Bcast(p.detach(), root=r)
-                small = [p for p in shard if not _direct(p)]
-                count = sum(p.numel() for p in small)
-                if count == 0:
-                    continue
-                part, at = buffer[:count], 0
-                if r == comm.rank:
-                    for p in small:
-                        part[at:at + p.numel()].copy_(p.reshape(-1))
-                        at += p.numel()
-                comm.Bcast(part, root=r)
-                if r != comm.rank:
-                    for p in small:
-                        p.copy_(part[at:at + p.numel()].view_as(p))
-                        at += p.numel()
+        """Each rank in turn broadcasts its updated shard (the engine's broadcast: large
+        parameters where they are, the small ones packed per dtype and device)."""
+        for r, shard in enumerate(self._shards):
+            broadcast_tensors([p.detach() for p in shard], self._comm, root=r)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -365,14 +324,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consolidated = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-
-#: parameters of at least this many bytes (contiguous) are broadcast in place, unpacked
-DIRECT_BYTES = 1 << 18
-
-
-def _direct(p: torch.Tensor) -> bool:
-    return p.is_contiguous() and p.numel() * p.element_size() >= DIRECT_BYTES
 
 
 def _class_error(optimizer_class: object) -> Exception | None:
