@@ -208,3 +208,34 @@ def test_heatlike_optimizers_join_only_where_join_can_stand_in_for_them(comm):
     gossip = DecentralizedSGD(model=torch.nn.Linear(4, 2), lr=0.1, comm=comm)
     with pytest.raises(TypeError, match="cannot stand in for DecentralizedSGD"):
         Join([model, gossip])
+
+
+def test_zero_redundancy_optimizer_joins_with_its_model(comm):
+    """The rank out of inputs steps its shard in the others' steps: the combined-batch model,
+    and the consolidated momentum equals the one-process optimizer's. Left out of the
+    joinables, the ZeRO optimizer makes Join refuse to start, on every rank."""
+    from heatlike.optim import ZeroRedundancyOptimizer
+
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=comm,
+                                  lr=0.1, momentum=0.9)
+    model = DataParallel(net, comm)
+    with pytest.raises(ValueError, match="ZeroRedundancyOptimizer .* not among the joinables"):
+        Join([model])
+    loss_fn = nn.CrossEntropyLoss()
+    with Join([model, opt]):
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    opt.consolidate_state_dict(to=None)
+    full = torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9)
+    full.load_state_dict(opt.state_dict())
+    ref_net, ref_opt = _reference(comm.size)
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        assert torch.allclose(p, q, **TOL), "parameters"
+    for i, q in enumerate(ref_net.parameters()):
+        mine = full.state_dict()["state"][i]["momentum_buffer"]
+        assert torch.allclose(mine, ref_opt.state[q]["momentum_buffer"], **TOL), "momentum"
+    hl.nn.verify_replicas(net, comm)

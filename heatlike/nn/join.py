@@ -29,7 +29,9 @@ otherwise).
 Joinables: :class:`~heatlike.nn.DataParallel` (with its DataParallelOptimizer, if any), the
 centralized gradient-averaging optimizers (``CentralizedSGD``, ``CentralizedAdam``,
 ``CustomCentralizedOptimizer``, ``PowerSGD``) and torch optimizers (stepped in the shadow
-iterations of a DataParallel they belong to).
+iterations of a DataParallel they belong to), :class:`~heatlike.optim.ZeroRedundancyOptimizer`
+included: one over a joined model's parameters must be among the joinables (``ValueError`` on
+every rank otherwise, where its shard exchange would wait forever for the rank that joined).
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ def _sync_batchnorm_error(models: list, optimizers: list, throw: bool) -> ValueE
             "every forward pass, which a rank that ran out of inputs has not. Give every rank "
             "the same number of batches (heatlike.utils.data.DataLoader does), or use "
             "Join(..., throw_on_early_termination=True) to stop every rank when one runs out")
+    return None
+
+
+def _unjoined_zero_error(models: list, joinables: list) -> ValueError | None:
+    """A ZeroRedundancyOptimizer over a joined model exchanges its shards at every step: a rank
+    out of inputs must step it too, so it must be among the joinables."""
+    from ..optim.zero import unjoined_over
+
+    missing = unjoined_over((p for m in models for p in m.module.parameters()), joinables)
+    if missing:
+        return ValueError(
+            "a ZeroRedundancyOptimizer over the model's parameters is not among the joinables: "
+            "a rank out of inputs must step it with the others (their shard exchange would wait "
+            "for it forever). Pass it too: Join([model, optimizer])")
     return None
 
 
@@ -138,6 +154,8 @@ class Join:
         if error is None and enable:
             error = _sync_batchnorm_error(self.models, self.optimizers,
                                           throw_on_early_termination)
+        if error is None and enable:
+            error = _unjoined_zero_error(self.models, joinables)
         raise_together(error, comm)
         self.comm = comm
         self.enable = bool(enable)

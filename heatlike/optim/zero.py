@@ -42,7 +42,9 @@ deep-copied (``TypeError``): save its state with ``consolidate_state_dict`` and 
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
+import weakref
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -54,7 +56,9 @@ from ..core.agreement import agree_on, gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine.replicas import broadcast_tensors
 
-__all__ = ["ZeroRedundancyOptimizer", "partition"]
+__all__ = ["ZeroRedundancyOptimizer", "partition", "unjoined_over"]
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every ZeroRedundancyOptimizer built here
 
 
 def partition(sizes: list[int], ranks: int, totals: list[int] | None = None) -> list[int]:
@@ -101,6 +105,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  for g in self.param_groups]}, comm, "ZeroRedundancyOptimizer")
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._consolidated: dict | None = None
+        _LIVE.add(self)
 
     def __getstate__(self):
         raise TypeError("a ZeroRedundancyOptimizer cannot be pickled or copied (its state is "
@@ -351,3 +356,21 @@ def _refuse_duplicates(group: dict) -> None:
             raise ValueError("a parameter appears twice in one parameter group: list it once "
                              "(its shard would be stepped twice)")
         seen.add(id(p))
+
+
+def unjoined_over(parameters: Iterable[torch.Tensor], listed: Iterable) -> list:
+    """The live ZeroRedundancyOptimizers holding one of ``parameters`` that are not in
+    ``listed`` (:class:`heatlike.nn.Join` refuses to start without them: a rank out of inputs
+    must step them in the others' steps, or their exchanges wait for it forever)."""
+    params = {id(p) for p in parameters}
+    named = {id(j) for j in listed}
+
+    def missing() -> list:
+        return [z for z in list(_LIVE) if id(z) not in named
+                and any(id(p) in params for g in z.param_groups for p in g["params"])]
+
+    if not missing():
+        return []
+    gc.collect()  # an optimizer the program dropped, still in a reference cycle, does not count
+    return missing()
+
