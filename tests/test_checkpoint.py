@@ -199,6 +199,20 @@ def _with_index(raw: bytes) -> bytes:
         hashlib.sha256(raw).digest() + checkpoint.END
 
 
+def _with_world_size(good: bytes, size: int) -> bytes:
+    """``good`` with its index rewritten (checksum right) to claim ``size`` ranks."""
+    import json
+
+    tail = good[-(8 + 32 + len(checkpoint.END)):]
+    length = int.from_bytes(tail[:8], "little")
+    start = len(good) - len(tail) - length
+    index = json.loads(good[start:start + length])
+    index["world_size"] = size
+    raw = json.dumps(index).encode()
+    return good[:start] + raw + len(raw).to_bytes(8, "little") + hashlib.sha256(raw).digest() + \
+        checkpoint.END
+
+
 def test_damaged_files_are_rejected_on_every_rank(comm, tmp_path):
     path = _shared_path(comm, tmp_path)
     loop = Loop("allreduce", comm)
@@ -216,6 +230,8 @@ def test_damaged_files_are_rejected_on_every_rank(comm, tmp_path):
         "index without segments": _with_index(b'{"format": 1, "world_size": 1}'),
         "index with bad segments": _with_index(
             b'{"format": 1, "world_size": 1, "segments": {"shared": [1, 2]}}'),
+        # intact segments, but the index claims one rank more than they hold
+        "a rank's segment missing": _with_world_size(good, comm.size + 1),
     }
     fresh = Loop("allreduce", comm)
     before = _params(fresh.net)
@@ -726,3 +742,23 @@ def test_temporary_files_of_killed_saves_are_removed(comm, tmp_path):
     checkpoint.save(path, torch.nn.Linear(2, 2), comm=comm)
     if comm.rank == 0:
         assert not stale.exists() and other.exists()
+
+
+def test_a_checkpoint_gets_the_permissions_of_a_file_created_as_usual(comm, tmp_path):
+    """A new checkpoint gets 0o666 less the umask (as open() would give it, not the 0o600 of
+    the temporary file it is written to); one that replaces another keeps the old one's mode, so
+    a checkpoint shared with an evaluation job under another account stays readable."""
+    path = _shared_path(comm, tmp_path)
+    mask = os.umask(0o027)
+    try:
+        checkpoint.save(path, torch.nn.Linear(2, 2), comm=comm)
+        if comm.rank == 0:
+            assert path.stat().st_mode & 0o777 == 0o640
+            os.chmod(path, 0o644)
+        comm.Barrier()
+        checkpoint.save(path, torch.nn.Linear(2, 2), comm=comm)
+        if comm.rank == 0:
+            assert path.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(mask)
+    comm.Barrier()

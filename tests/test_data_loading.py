@@ -89,6 +89,23 @@ def test_an_epoch_leaves_the_global_random_stream_alone(comm, distributed):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["local", "distributed"])
+def test_collate_fn_shapes_every_batch(comm, distributed):
+    """``collate_fn`` gets the batch's (sample, target) pairs and its result is the batch, for
+    local and distributed (DNDarray) datasets alike, with or without transforms."""
+    n, b = 12, 2
+    x, y = torch.arange(2 * n, dtype=torch.float32).view(n, 2), torch.arange(n)
+    data = Dataset(hl.array(x, split=0), hl.array(y, split=0)) if distributed else Dataset(x, y)
+
+    def as_dict(items):
+        return {"x": torch.stack([a for a, _ in items]), "y": torch.stack([t for _, t in items])}
+
+    batches = list(DataLoader(data, batch_size=b, seed=2, collate_fn=as_dict))
+    assert batches and all(isinstance(batch, dict) for batch in batches)
+    for batch in batches:
+        assert batch["x"].shape == (b, 2) and torch.equal(batch["x"], x[batch["y"]])
+
+
 def test_dataset_transforms_and_numpy_input(comm):
     data = np.arange(20, dtype=np.float32).reshape(10, 2)
     ds = Dataset(data, np.arange(10), transform=lambda v: v * 2,

@@ -79,6 +79,7 @@ import pickle
 import random
 import re
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -652,7 +653,35 @@ def _read(path: Path) -> tuple[dict, dict[str, bytes]]:
             raise CheckpointError(f"{what}: segment {name!r} does not match its checksum "
                                   "(corrupted)")
         segments[name] = segment
+    expected = {"shared", *(f"rank{r}" for r in range(int(index["world_size"])))}
+    if set(segments) != expected:
+        missing = sorted(expected - set(segments))
+        extra = sorted(set(segments) - expected)
+        raise CheckpointError(f"{what}: its segments do not match its {index['world_size']} "
+                              f"rank(s) (missing {missing[:4]}, unexpected {extra[:4]})")
     return index, segments
+
+
+def _file_mode(path: Path) -> int:
+    """The permissions a new checkpoint gets: the file's it replaces, else those of a file
+    created as usual (0o666 less the umask; :func:`tempfile.mkstemp` makes its files 0o600)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (setting it to read
+    it back would briefly change it for every thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # -------------------------------------------------------------------------------- save
@@ -753,6 +782,7 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
                 fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                            dir=path.parent)
                 handle = os.fdopen(fd, "wb")
+                os.fchmod(fd, _file_mode(path))
                 handle.write(MAGIC)
                 shared = _rebuild({k: (None if k in whole else v) for k, v in tree.items()},
                                   lambda p, leaf: None if p in leaves else leaf)

@@ -345,7 +345,7 @@ class DataLoader:
         transformed = ds.transform is not None or ds.target_transform is not None
         for step in range(skip, len(self)):
             rows = [a[step * b:(step + 1) * b] for a in arrays]
-            if transformed:
+            if transformed or self.collate_fn is not None:
                 targets = rows[1] if len(rows) > 1 else [None] * b
                 collate = self.collate_fn or torch.utils.data.default_collate
                 yield collate([ds._item(x, y) for x, y in zip(rows[0], targets)])
