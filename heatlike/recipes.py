@@ -78,8 +78,12 @@ def mlp(widths: list[int], seed: int = 0) -> nn.Sequential:
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
              comm: MPICommunication) -> float:
-    """Accuracy over the whole test set; each rank scores its shard (moved to the model's device
-    and dtype), one all-reduce."""
+    """Accuracy over the whole test set (collective); each rank scores its shard (moved to the
+    model's device and dtype), one all-reduce. A DataParallel model's buffers (BatchNorm
+    statistics) are synchronized first, so that every shard is scored by the same model."""
+    synchronize = getattr(model, "synchronize_buffers", None)
+    if synchronize is not None:
+        synchronize()
     _, _, shard = comm.chunk(x.shape, 0)
     xs = x[shard]
     first = next(model.parameters())

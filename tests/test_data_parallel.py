@@ -774,6 +774,80 @@ def test_buffers_are_synchronized(comm, mode):
     assert torch.allclose(bn.running_var, torch.full((4,), expected_var))
 
 
+@pytest.mark.parametrize("change", ["unfrozen", "added"])
+def test_a_parameter_it_does_not_synchronize_is_refused_without_an_optimizer(comm, change):
+    """DataParallel(module) with a torch optimizer: a parameter frozen at wrapping and unfrozen
+    later, or a layer added after wrapping, would be trained with each rank's own gradient
+    (the replicas drifted apart by 2e-2): the next training forward raises instead."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    net[0].requires_grad_(False)
+    model = DataParallel(net, comm)
+    x = torch.randn(4, 6)
+    model(x).sum().backward()
+    if change == "unfrozen":
+        net[0].requires_grad_(True)
+        match = r"\['0.weight', '0.bias'\] did not require gradients when DataParallel"
+    else:
+        net[2] = nn.Linear(8, 4)
+        match = r"\['2.weight', '2.bias'\] were added to the module after DataParallel"
+    with pytest.raises(RuntimeError, match=match):
+        model(x)
+    with torch.no_grad():
+        model.eval()(x)  # evaluation trains nothing: allowed
+
+
+def test_the_modules_state_dict_includes_the_last_nonblocking_update(comm):
+    """``model.module.state_dict()`` right after a non-blocking ``step()`` (DDP's usual save
+    call) applies the pending update first, as ``model.state_dict()`` does."""
+    reference, local = Net(seed=0), Net(seed=0)
+    ref_opt = DataParallelOptimizer(_optimizer("sgd", reference), blocking=True)
+    dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=False)
+    ref_model = DataParallel(reference, comm, optimizer=ref_opt)
+    model = DataParallel(local, comm, optimizer=dp_opt)
+    for step in range(2):
+        x, y = _data(step, B)
+        for m, o in ((ref_model, ref_opt), (model, dp_opt)):
+            o.zero_grad()
+            _loss(m(x, y), y).backward()
+            o.step()
+    saved = model.module.state_dict()
+    for name, value in ref_model.module.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "average"])
+def test_synchronize_buffers_gives_every_rank_one_model(comm, mode):
+    """Training on different batches per rank leaves each rank its own BatchNorm statistics;
+    ``synchronize_buffers()`` makes them rank 0's (or their average) on every rank, so an
+    evaluation after it (no collective) gives the same outputs everywhere; evaluation forwards
+    themselves never communicate."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(4 * 4 * 4, 3))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, sync_buffers=mode)
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + comm.rank)
+        x = torch.randn(6, 1, 6, 6, generator=g) + comm.rank
+        opt.zero_grad()
+        _loss(model(x), torch.randint(0, 3, (6,), generator=g)).backward()
+        opt.step()
+    mine = net[1].running_mean.clone()
+    everyone = comm.handle.allgather(mine)
+    model.eval()
+    if comm.size > 1:
+        assert not all(torch.equal(m, mine) for m in everyone)  # each rank's own statistics
+    model.synchronize_buffers()
+    expected = everyone[0] if mode == "broadcast" else sum(everyone) / comm.size
+    torch.testing.assert_close(net[1].running_mean, expected, rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        out = model(torch.ones(2, 1, 6, 6))
+    assert all(torch.equal(o, out) for o in comm.handle.allgather(out))
+    for name, buffer in net.named_buffers():
+        assert all(torch.equal(b, buffer) for b in comm.handle.allgather(buffer)), name
+
+
 def test_buffers_registered_replaced_or_converted_after_wrapping_are_the_ones_synchronized(comm):
     """DataParallel finds the buffers without walking the module at every forward: a buffer
     registered after wrapping, one replaced by assignment, a submodule added, and buffers
@@ -782,7 +856,9 @@ def test_buffers_registered_replaced_or_converted_after_wrapping_are_the_ones_sy
     model = DataParallel(net, comm)
     model(torch.randn(5, 3))
     net[1].register_buffer("late", torch.full((2,), float(comm.rank)))
-    net.append(nn.BatchNorm1d(4, momentum=0.0))  # a submodule, with buffers, added later
+    # a submodule with buffers added later (without parameters: DataParallel refuses
+    # parameters added after it was built)
+    net.append(nn.BatchNorm1d(4, momentum=0.0, affine=False))
     net[2].running_mean = torch.full((4,), 10.0 + comm.rank)  # replaced by assignment
     model(torch.randn(5, 3))
     assert torch.equal(net[1].late, torch.zeros(2))
@@ -905,10 +981,14 @@ def test_buckets_launch_during_backward(comm):
     assert all(n >= nb - 1 for n in seen[1:]), (seen, nb)
 
 
+@pytest.mark.parametrize("zero_grad_after_forward", [False, True],
+                         ids=["zero-grad-first", "zero-grad-after-forward"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
-def test_find_unused_parameters(comm, blocking):
+def test_find_unused_parameters(comm, blocking, zero_grad_after_forward):
     """Walking the graph launches the buckets of unused parameters early and changes no
-    result."""
+    result, also where ``zero_grad()`` comes between forward and backward (an unused
+    parameter's gradient is taken in the backward pass, as DDP takes it: taken at the forward,
+    the last step's gradient was averaged again, 3e-2 to 1e-1 off)."""
     P, r = comm.size, comm.rank
     reference = Net(seed=0)
     ref_opt = _optimizer("sgd", reference)
@@ -925,8 +1005,13 @@ def test_find_unused_parameters(comm, blocking):
         ref_opt.zero_grad()
         _loss(reference(x, y), y).backward()
         ref_opt.step()
-        dp_opt.zero_grad()
-        _loss(model(x[mine], y[mine]), y[mine]).backward()
+        if zero_grad_after_forward:
+            out = model(x[mine], y[mine])
+            dp_opt.zero_grad(set_to_none=step % 2 == 1)
+        else:
+            dp_opt.zero_grad(set_to_none=step % 2 == 1)
+            out = model(x[mine], y[mine])
+        _loss(out, y[mine]).backward()
         dp_opt.step()
         model.flush()
         torch.testing.assert_close(_flat(local), _flat(reference), **TOL)

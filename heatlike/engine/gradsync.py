@@ -305,6 +305,9 @@ class GradientSync:
         self._handed: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         self._viewed: set[tuple[int, int]] = set()  # gradients that are their bucket's view
         self._declared_unused: set[tuple[int, int]] = set()  # by mark_unused, this cycle
+        # declared unused but not yet taken: their .grad is read at the backward's first
+        # gradient (a zero_grad() between forward and backward must count), as DDP does
+        self._unused_pending: list[tuple[int, int]] = []
         self._armed: dict[int, object] = {}  # outer-graph nodes hooked by _arm this cycle
         # bucket -> [(parameter, offset, residual)] of parameters without a gradient here
         self._idle: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
@@ -409,6 +412,7 @@ class GradientSync:
         self._handed.clear()
         self._viewed.clear()
         self._declared_unused.clear()
+        self._unused_pending.clear()
         self._tampered.clear()
         for handle in self._armed.values():
             handle.remove()
@@ -439,6 +443,7 @@ class GradientSync:
                 "optimizer.step() between backward passes, or accumulate inside model.no_sync()")
         self._take_held()
         self._held = (b, i)
+        self._take_unused()
         self._launch_ready()
         self._progress()
 
@@ -694,6 +699,7 @@ class GradientSync:
             return
         self._begin()
         self._take_held()
+        self._unused_pending.clear()  # taken below with every parameter not yet marked
         for b, bucket in enumerate(self.buckets):
             if self._ready[b] == len(bucket.params):
                 continue
@@ -715,17 +721,25 @@ class GradientSync:
     def mark_unused(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Report ``params`` as getting no gradient in the coming backward pass (found by walking
         the autograd graph after forward), so their buckets can launch without waiting for the
-        end of the backward pass."""
+        end of the backward pass. Their ``.grad`` (None, zeros, or what ``no_sync`` passes
+        accumulated) is taken at the backward pass's first gradient, not now: the program may
+        still call ``zero_grad()`` between forward and backward."""
         if not self.enabled or self.passthrough:
             return
         self._begin()
-        self._take_held()
         for p in params:
             b, i = self._where[id(p)]
-            if not self._marked[b][i]:
-                self._mark(b, i, p.grad)
+            if not self._marked[b][i] and (b, i) not in self._declared_unused:
                 self._declared_unused.add((b, i))
-        self._launch_ready()
+                self._unused_pending.append((b, i))
+
+    def _take_unused(self) -> None:
+        """Take the gradients of the parameters declared unused (at the backward's first
+        gradient; ``launch_all`` takes any left)."""
+        for b, i in self._unused_pending:
+            if not self._marked[b][i]:
+                self._mark(b, i, self.buckets[b].params[i].grad)
+        self._unused_pending.clear()
 
     def participate(self) -> None:
         """Called once per optimizer step on every rank: a rank that ran no synchronizing backward

@@ -19,6 +19,10 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
@@ -46,6 +50,17 @@ __all__ = ["DataParallel", "DataParallelMultiGPU", "broadcast_module", "check_re
            "verify_replicas"]
 
 _BUFFER_MODES = ("broadcast", "average", None)
+
+_registrations = [0]  # parameters and submodules registered in this process so far
+
+
+def _registered(*_args) -> None:
+    _registrations[0] += 1  # returns None: the registration itself is left as it is
+
+
+register_module_parameter_registration_hook(_registered)
+register_module_module_registration_hook(_registered)
+
 
 
 class DataParallel(torch.nn.Module):
@@ -175,6 +190,8 @@ class DataParallel(torch.nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         # frozen now, so never synchronized: DataParallelOptimizer.step refuses them unfrozen
         self._frozen = [p for p in module.parameters() if not p.requires_grad]
+        self._synced = {id(p) for _, p in named}
+        self._registrations = _registrations[0]  # the module's parameters are checked again
         self.grad_sync = GradientSync(
             [p for _, p in named], comm, bucket_cap_mb, first_bucket_mb, codec=codec,
             on_backward_end=self._backward_end, check_finite=check_finite,
@@ -192,6 +209,9 @@ class DataParallel(torch.nn.Module):
         self._handles.append(module.register_forward_hook(WrapperHook(self._module_post_hook)))
         # values loaded into the module replace the parameters as a blocking step() left them
         self._handles.append(module.register_load_state_dict_pre_hook(
+            WrapperHook(lambda *_: self.flush())))
+        # and the module's own state dict (torch.save(model.module.state_dict())) includes them
+        self._handles.append(module.register_state_dict_pre_hook(
             WrapperHook(lambda *_: self.flush())))
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -234,6 +254,7 @@ class DataParallel(torch.nn.Module):
                 raise RuntimeError("this DataParallel was closed (close()): it no longer "
                                    "averages gradients; build a new one to train")
             self.grad_sync.check_layout("DataParallel")
+            self._check_parameters()
         if self._join is not None and self.training:
             self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled)
         if self.check_finite and self.training:
@@ -245,6 +266,32 @@ class DataParallel(torch.nn.Module):
             self.flush()
         if self.training and self.sync_buffers is not None and self.comm.size > 1:
             self._sync_buffers()
+
+    def _check_parameters(self) -> None:
+        """RuntimeError where a training forward would train a parameter DataParallel does not
+        synchronize (each rank would step it with its own gradient): one frozen when the wrapper
+        was built and trainable now, or one added to the module since (looked for only after a
+        parameter or submodule was registered somewhere in the process)."""
+        if any(p.requires_grad for p in self._frozen):
+            names = [n for n, p in self.module.named_parameters()
+                     if p.requires_grad and id(p) not in self._synced]
+            raise RuntimeError(
+                f"parameters {names[:4]} did not require gradients when DataParallel was built, "
+                "so it does not synchronize them, but it requires gradients now: each rank "
+                "would train them "
+                "with its own gradient. Build DataParallel after unfreezing them (a parameter "
+                "group with lr=0 keeps a trainable parameter still until then)")
+        if self._registrations == _registrations[0]:
+            return
+        self._registrations = _registrations[0]
+        added = [n for n, p in self.module.named_parameters()
+                 if p.requires_grad and id(p) not in self._synced]
+        if added:
+            raise RuntimeError(
+                f"parameters {added[:4]} were added to the module after DataParallel was built: "
+                "it does not synchronize them, so each rank would train them with its own "
+                "gradient. Build DataParallel after the module is complete (close() the old "
+                "wrapper and wrap the module again)")
 
     def _after_forward(self, output) -> None:
         if self.optimizer is not None:
@@ -318,6 +365,16 @@ class DataParallel(torch.nn.Module):
             self.optimizer.zero_grad(set_to_none=set_to_none)
         else:
             super().zero_grad(set_to_none=set_to_none)
+
+    def synchronize_buffers(self) -> None:
+        """Collective: make every rank's buffers what ``sync_buffers`` makes them at the start of
+        a training forward (rank 0's, or their average), now. Training leaves each rank with the
+        BatchNorm statistics of its own last batch (DDP's too: it copies them in the next
+        forward, evaluation included, which every rank must then run); heatlike's evaluation
+        forwards do not communicate (they may run on some ranks only), so call this on every
+        rank before evaluating shards of a test set or saving the module of one rank."""
+        if self.sync_buffers is not None and self.comm.size > 1:
+            self._sync_buffers()
 
     def sync_gradients(self) -> None:
         """Collective: average every outstanding gradient into ``.grad`` now (only needed without
