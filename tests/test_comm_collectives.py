@@ -247,6 +247,38 @@ def test_empty_buffers_and_fewer_elements_than_ranks(comm):
         assert part.item() == 2.0 * comm.size
 
 
+def test_empty_numpy_buffers_receive_nothing_without_error(comm):
+    """numpy's empty multi-dimensional arrays have zero strides, which torch keeps: they were
+    refused as "overlapping elements", on the rank that got no rows only."""
+    rows = [1] * (comm.size - 1) + [0]  # the last rank gets no rows
+    x = np.arange(3 * sum(rows), dtype=np.float64).reshape(-1, 3)
+    mine = np.empty((rows[comm.rank], 3))
+    displs = [sum(rows[:r]) for r in range(comm.size)]  # in rows: slices along axis 0
+    comm.Scatterv((x, rows, displs), mine, root=0)
+    start = sum(rows[:comm.rank])
+    np.testing.assert_array_equal(mine, x[start:start + rows[comm.rank]])
+    empty = np.zeros((0, 4), np.float16)
+    comm.Allreduce(hl.IN_PLACE, empty)
+    everyone = np.empty((sum(rows), 3))
+    comm.Allgatherv(mine, (everyone, rows, displs))
+    np.testing.assert_array_equal(everyone, x)
+
+
+def test_a_reversed_length_one_axis_is_a_buffer(comm):
+    """A numpy array reversed along a length-1 axis (stride -24: numpy calls it contiguous, torch
+    refuses to view it) is copied and sent as it reads."""
+    mine = np.full((1, 3), float(comm.rank))[::-1]
+    assert mine.strides[0] < 0
+    out = np.empty((comm.size, 3))
+    comm.Allgather(mine, out)
+    np.testing.assert_array_equal(out, np.repeat(np.arange(comm.size, dtype=float), 3)
+                                  .reshape(comm.size, 3))
+    half = np.full((1, 3), 1.0, np.float16)[::-1]
+    total = np.empty((1, 3), np.float16)
+    comm.Allreduce(half, total)
+    np.testing.assert_array_equal(total, np.full((1, 3), float(comm.size), np.float16))
+
+
 def test_barrier_and_ibarrier(comm):
     comm.Barrier()
     req = comm.Ibarrier()

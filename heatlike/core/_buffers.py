@@ -114,6 +114,8 @@ def _local_tensor(obj: object) -> torch.Tensor | None:
 
 
 def _check_writable_strides(t: torch.Tensor, arg: str) -> None:
+    if t.numel() == 0:  # nothing to write (numpy's empty arrays come with zero strides)
+        return
     for size, stride in zip(t.shape, t.stride()):
         if size > 1 and stride == 0:
             raise ValueError(f"{arg} has overlapping elements (a broadcast/expanded view); "
@@ -137,10 +139,12 @@ def _numpy_as_tensor(a: np.ndarray, arg: str, write: bool) -> tuple[torch.Tensor
         if write:
             _check_writable_strides(t, arg)
         return t, None
-    t = torch.from_numpy(np.ascontiguousarray(a))
+    # a copy always: ascontiguousarray returns an array whose only odd stride is on a length-1
+    # axis as it is (numpy calls it contiguous), which torch still refuses
+    t = torch.from_numpy(np.array(a, order="C", copy=True))
     if not write:
         return t, None
-    if any(size > 1 and stride == 0 for size, stride in zip(a.shape, a.strides)):
+    if a.size and any(size > 1 and stride == 0 for size, stride in zip(a.shape, a.strides)):
         raise ValueError(f"{arg} has overlapping elements; receive into an array that owns them")
     return t, lambda: np.copyto(a, t.numpy())
 
@@ -152,7 +156,7 @@ def _cupy_as_tensor(a: object, arg: str, write: bool) -> tuple[torch.Tensor, Fin
         # e.g. negative strides, which torch does not represent
         import cupy
 
-        t = torch.from_dlpack(cupy.ascontiguousarray(a))
+        t = torch.from_dlpack(cupy.array(a, order="C", copy=True))
         if not write:
             return t, None
         return t, lambda: a.__setitem__(Ellipsis, cupy.from_dlpack(t))

@@ -860,9 +860,12 @@ class MPICommunication:
             raise ValueError(f"shape {tuple(shape)} does not hold 2 x total_count = {2 * n} "
                              "elements")
 
+        # half-precision buffers reach user-defined ops as float32 (docs/communication.md)
+        wire = torch.float32 if dtype in HALF_DTYPES else dtype
+
         def combine(inbuf, inoutbuf, _datatype) -> None:
-            a = torch.frombuffer(inbuf, dtype=dtype, count=2 * n).view(2, n)
-            b = torch.frombuffer(inoutbuf, dtype=dtype, count=2 * n).view(2, n)
+            a = torch.frombuffer(inbuf, dtype=wire, count=2 * n).view(2, n)
+            b = torch.frombuffer(inoutbuf, dtype=wire, count=2 * n).view(2, n)
             torch.minimum(a[0], b[0], out=b[0])
             torch.maximum(a[1], b[1], out=b[1])
 
