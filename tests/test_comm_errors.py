@@ -138,6 +138,34 @@ def test_freeing_a_communicator_frees_its_board(comm):
     _still_in_step(comm)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_check_mode_compares_the_counts_every_rank_must_pass_alike(comm):
+    """Check mode: ``Allgatherv``'s receive counts and ``Reduce_scatter``'s ``recvcounts`` that
+    differ on one rank raise ValueError on every rank (they gave wrong data silently); a
+    placeholder send buffer off the root of ``Scatter`` (ignored there) is no mismatch."""
+    from heatlike.core import checks
+
+    P, r = comm.size, comm.rank
+    was = checks.checking()
+    checks.set_check(True)
+    try:
+        counts = [2] + [1] * (P - 1) if r == 1 else [1] * P
+        out = torch.zeros(sum(counts))
+        with pytest.raises(ValueError, match="ranks call different collectives.*Allgatherv.*"
+                                             "counts with checksum"):
+            comm.Allgatherv(torch.full((counts[r],), float(r)), (out, counts))
+        counts = [1] + [2] * (P - 2) + [3] if r == 1 else [2] * P
+        with pytest.raises(ValueError, match="Reduce_scatter.*counts with checksum"):
+            comm.Reduce_scatter(torch.ones(2 * P), torch.zeros(counts[r]), counts, MPI.SUM)
+        whole = torch.arange(2.0 * P) if r == 0 else torch.empty(0)
+        out = torch.zeros(2)
+        comm.Scatter(whole, out, root=0)
+        assert out.tolist() == [2.0 * r, 2.0 * r + 1]
+    finally:
+        checks.set_check(was)
+    _still_in_step(comm)
+
+
 def _one_rank_wrong(comm):
     """Rooted collectives where only one rank passes wrong arguments, which only that rank can
     see (the root's counts and buffers, a non-root's IN_PLACE): (who fails, call, its reason).

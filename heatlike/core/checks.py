@@ -746,7 +746,7 @@ def _object_waiter(comm, what: str) -> Callable[[MPI.Request], None] | None:
         if comm._hub.watched:
             board.verify(label)
         if _state["check"]:  # check mode: compared with the other ranks' calls like any other
-            board.check((_code(_AGREEMENT), 0, -1, -1, -1))
+            board.check((_code(_AGREEMENT), 0, -1, -1, -1, -1))
 
     def watch() -> None:
         if board is None:
@@ -798,7 +798,7 @@ def _raise_unpicklable(objects: list) -> None:
 
 
 def describe(signature) -> str:
-    code, op, root, dtype, count = (int(v) for v in signature)
+    code, op, root, dtype, count, counts = (int(v) for v in signature)
     parts = [opname(code)]
     if op:
         parts.append(f"op {_OP_NAMES.get(op, 'user-defined')}")
@@ -808,6 +808,8 @@ def describe(signature) -> str:
         parts.append(_dtype_name(dtype))
     if count >= 0:
         parts.append(f"{count} elements")
+    if counts >= 0:
+        parts.append(f"counts with checksum {counts:08x}")
     return "(" + ", ".join(parts) + ")"
 
 

@@ -35,6 +35,7 @@ import pickle
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -574,14 +575,22 @@ def _direct_bcast(self: MPICommunication, buf, root: int = 0) -> Operation | Non
 
 
 def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict) -> tuple:
-    """(operation, reduction op, root, dtype, element count) of a collective call; -1 where ranks
-    may legitimately differ."""
+    """(operation, reduction op, root, dtype, element count, counts digest) of a collective
+    call; -1 where ranks may legitimately differ. The digest covers the counts every rank must
+    pass alike: ``Allgatherv``'s receive counts and displacements, ``Reduce_scatter``'s
+    ``recvcounts``."""
     bound = inspect.signature(gen).bind(self, *args, blocking=False, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
     op = a.get("op")
+    root = a.get("root", -1)
+    root = int(root) if isinstance(root, (int, np.integer)) and not isinstance(root, bool) \
+        else -1
     data = None
-    for key in ("sendbuf", "buf", "recvbuf"):
+    # off the root, Scatter's send buffer is ignored (a placeholder): sign with the receive one
+    keys = ("recvbuf",) if name in ("Scatter", "Scatterv") and root != self.rank else \
+        ("sendbuf", "buf", "recvbuf")
+    for key in keys:
         value = a.get(key)
         if value is not None and value is not IN_PLACE:
             data, from_recv = value, key == "recvbuf"
@@ -603,9 +612,27 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
         count = -1  # sub-arrays of an uneven split: local sizes legitimately differ
     if name in ("Reduce_scatter", "Reduce_scatter_block") and a.get("sendbuf") is IN_PLACE:
         count = -1  # the receive buffer's size is the input size there, not the result's
+    counts = None
+    if name == "Allgatherv" and isinstance(a.get("recvbuf"), (tuple, list)):
+        counts = a["recvbuf"][1:]
+    elif name == "Reduce_scatter":
+        counts = (a.get("recvcounts"),)
     return (_checks.opcode(name), op.py2f() if isinstance(op, MPI.Op) else 0,
-            int(a.get("root", -1)) if name in ("Bcast", "Reduce", "Gather", "Gatherv",
-                                               "Scatter", "Scatterv") else -1, dtype, count)
+            root if name in ("Bcast", "Reduce", "Gather", "Gatherv", "Scatter", "Scatterv")
+            else -1, dtype, count, _digest(counts))
+
+
+def _digest(lists) -> int:
+    """A checksum of a tuple of integer sequences (or Nones), -1 for nothing or what cannot be
+    read (the call itself then raises the clear error)."""
+    if lists is None:
+        return -1
+    try:
+        text = repr([None if v is None else [int(x) for x in np.ravel(np.asarray(v))]
+                     for v in lists])
+    except (TypeError, ValueError):
+        return -1
+    return zlib.crc32(text.encode())
 
 
 def _operation(gen: Callable[..., Operation], blocking: bool, name: str, doc: str) -> Callable:
