@@ -797,6 +797,28 @@ def test_a_parameter_it_does_not_synchronize_is_refused_without_an_optimizer(com
         model.eval()(x)  # evaluation trains nothing: allowed
 
 
+def test_a_state_dict_saved_from_ddp_loads_into_the_wrapper(comm):
+    """DDP's ``state_dict()`` has the same ``module.`` keys and no ``_extra_state``: it loads
+    with ``strict=True``; a key really missing or unexpected still raises, as in torch."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model = DataParallel(net, comm)
+    source = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    ddp_style = {f"module.{k}": v + 1 if v.is_floating_point() else v
+                 for k, v in source.state_dict().items()}
+    result = model.load_state_dict(ddp_style)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for k, v in source.state_dict().items():
+        expected = v + 1 if v.is_floating_point() else v
+        assert torch.equal(net.state_dict()[k], expected), k
+    broken = dict(ddp_style)
+    del broken["module.0.bias"]
+    broken["module.9.weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\).*"module.9.weight".*\n.*'
+                                           r'Missing key\(s\).*"module.0.bias"'):
+        model.load_state_dict(broken)
+    model.load_state_dict(model.state_dict())  # its own, engine state included
+
+
 def test_the_modules_state_dict_includes_the_last_nonblocking_update(comm):
     """``model.module.state_dict()`` right after a non-blocking ``step()`` (DDP's usual save
     call) applies the pending update first, as ``model.state_dict()`` does."""
@@ -1018,6 +1040,43 @@ def test_find_unused_parameters(comm, blocking, zero_grad_after_forward):
     nb = len(model.grad_sync.buckets)
     assert model.grad_sync.passthrough or all(n >= nb - 1 for n in seen[1:]), (seen, nb)
     _same_on_all_ranks(comm, local)
+
+
+def test_find_unused_parameters_looks_inside_dataclass_outputs(comm):
+    """A forward returning a dataclass (as many model libraries do): the parameters reached
+    through its fields are used (they were taken for unused, and their gradients then raised)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        extra: torch.Tensor
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head, self.unused = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            h = self.body(x)
+            return Output(self.head(h), h.sum(1))
+
+    torch.manual_seed(0)
+    net = Net2()
+    reference = copy.deepcopy(net)
+    model = DataParallel(net, comm, find_unused_parameters=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(comm.size * 2, 3, generator=g)
+    mine = x[comm.rank * 2:(comm.rank + 1) * 2]
+    out = model(mine)
+    (out.logits.square().mean() + out.extra.mean()).backward()
+    ref = reference(x)
+    (ref.logits.square().mean() + ref.extra.mean()).backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
 def test_find_unused_parameters_names_a_gradient_from_outside_the_forward(comm):

@@ -15,6 +15,7 @@ are broadcast to all ranks; the global random number generators are not touched.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 
@@ -392,6 +393,26 @@ class DataParallel(torch.nn.Module):
         self.flush()
         return super().state_dict(*args, **kwargs)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, where a state dict without the engine's ``_extra_state`` (one saved from
+        torch DDP, ``ddp.state_dict()``: the same ``module.`` keys) loads too, even with
+        ``strict``: the engine then keeps its own state."""
+        if not strict or "_extra_state" in state_dict:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if k != "_extra_state"]
+        if missing or result.unexpected_keys:
+            problems = []
+            if result.unexpected_keys:
+                problems.append("Unexpected key(s) in state_dict: "
+                                + ", ".join(f'"{k}"' for k in result.unexpected_keys))
+            if missing:
+                problems.append("Missing key(s) in state_dict: "
+                                + ", ".join(f'"{k}"' for k in missing))
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
+                               + "\n\t".join(problems))
+        return type(result)(missing, result.unexpected_keys)
+
     def get_extra_state(self) -> dict:
         return {"engine": self.grad_sync.state_dict()}
 
@@ -548,8 +569,8 @@ class _WrapperCall:
 
 
 def _parameters_reached(output) -> set[int]:
-    """ids of the leaf tensors the autograd graph of ``output`` (tensors, nested in tuples, lists
-    and dicts) accumulates gradients into."""
+    """ids of the leaf tensors the autograd graph of ``output`` (tensors, nested in tuples, lists,
+    dicts and dataclasses, as DDP looks for them) accumulates gradients into."""
     stack, seen, reached = [], set(), set()
     todo = [output]
     while todo:
@@ -563,6 +584,8 @@ def _parameters_reached(output) -> set[int]:
             todo.extend(item)
         elif isinstance(item, dict):
             todo.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            todo.extend(getattr(item, f.name) for f in dataclasses.fields(item))
     while stack:
         fn = stack.pop()
         if fn in seen:
