@@ -501,6 +501,32 @@ def test_reentrant_activation_checkpointing_syncs_once_per_backward(comm, blocki
         assert model.grad_sync.state_dict()["exchanges"] == [STEPS] * len(model.grad_sync.buckets)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_block_reentrantly_checkpointed_twice_names_the_cause(comm):
+    """A shared block run through two reentrant checkpoints (ALBERT-like): each block's backward
+    is a pass of its own, so the shared parameters report twice in one cycle (DDP refuses it
+    too). The error names the parameter and the way out, on every rank (it said to call step()
+    between backward passes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.shared, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for _ in range(2):
+                h = checkpoint(lambda t: torch.tanh(self.shared(t)), h, use_reentrant=True)
+            return self.out(h)
+
+    model = DataParallel(Shared(), comm)
+    loss = model(torch.randn(4, 6)).sum()
+    with pytest.raises(RuntimeError, match=r"'shared\.(weight|bias)' received a second gradient.*"
+                                           r"use_reentrant=False"):
+        loss.backward()
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("wrapper", ["DataParallel", "DataParallelMultiGPU"])
 def test_converting_the_module_after_wrapping_is_a_clear_error(comm, wrapper):

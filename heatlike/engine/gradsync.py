@@ -438,9 +438,15 @@ class GradientSync:
                 "backward. Build DataParallel without find_unused_parameters (correctness never "
                 "needs it)")
         if self._marked[b][i] or self._held == (b, i):
+            inner = _enclosing_node() is not None
             raise RuntimeError(
-                "a parameter received a second gradient before the previous ones were used: run "
-                "optimizer.step() between backward passes, or accumulate inside model.no_sync()")
+                f"{self.names[self._index[id(p)]]!r} received a second gradient before the "
+                "previous ones were used: "
+                + ("it is used in several blocks run by a reentrant torch.utils.checkpoint (each "
+                   "block's backward is a pass of its own): checkpoint with use_reentrant=False"
+                   if inner else
+                   "run optimizer.step() between backward passes, or accumulate inside "
+                   "model.no_sync()"))
         self._take_held()
         self._held = (b, i)
         self._take_unused()
