@@ -536,13 +536,24 @@ class DataParallelMultiGPU(torch.nn.Module):
         self._before_forward()
         self._in_wrapper = True
 
+    def _layout(self) -> dict:
+        topology = self.optimizer.topology
+        return {"world_size": self.optimizer.comm.size, "node_ids": list(topology.node_ids)}
+
     def get_extra_state(self) -> dict:
         return {"engine": self.grad_sync.state_dict() if self.grad_sync is not None else None,
                 "warmup": self.global_sync.state_dict() if self.global_sync is not None
-                else None}
+                else None, "layout": self._layout()}
 
     def set_extra_state(self, state: dict) -> None:
-        if self.grad_sync is not None and state.get("engine") is not None:
+        """The engines' states; the node-local one only where the checkpoint was saved with the
+        ranks on the same nodes (another node's plan would not match this node's ranks': it
+        stays as built, as a checkpoint of another world size leaves it)."""
+        layout = state.get("layout")
+        same_nodes = layout is None or (
+            int(layout["world_size"]) == self.optimizer.comm.size
+            and [int(n) for n in layout["node_ids"]] == self._layout()["node_ids"])
+        if self.grad_sync is not None and state.get("engine") is not None and same_nodes:
             self.grad_sync.load_state_dict(state["engine"])
         if self.global_sync is not None and state.get("warmup") is not None:
             self.global_sync.load_state_dict(state["warmup"])

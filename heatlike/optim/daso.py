@@ -52,6 +52,13 @@ batches_to_wait = 1. After that the loss (averaged over ranks) feeds a plateau d
 are divided by ``skip_reduction_factor`` and batches_to_wait decremented (global_skip, local_skip
 and batches_to_wait floored at 1); on a plateau at global_skip == 1 they restart from
 ``max_global_skips`` and ``max_global_skips // local_skip_factor``.
+
+Checkpoints (``state_dict``) record the layout they were saved at: the world size and the node
+of every rank. Loaded at another layout, the global synchronizations in flight (shards laid out
+for the saved nodes) are dropped, the groups take turns from group 0 again, and the ranks of a
+node are no longer taken to hold the same parameters; at another world size the position in the
+epoch, counted in batches of the saved global batch size, is unknown until :meth:`DASO.resume_at`
+sets it (``heatlike.utils.checkpoint.load`` does, from the data loader passed to it).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ from ..core.communication import (
     collecting,
     sanitize_comm,
 )
+from ..core.log import get_logger
 from ..core.topology import Topology
 from ..engine.buckets import comm_buffer, pack, pack_range, unpack
 from ..engine.codecs import Cast
@@ -151,6 +159,11 @@ class DASO(WrappedOptimizer):
     every epoch. A ``torch.optim.Optimizer`` whose ``param_groups``/``state``/``defaults`` are the
     local optimizer's (:class:`~heatlike.optim.wrapping.WrappedOptimizer`): torch LR schedulers
     and optimizer hooks work on it as on the local optimizer.
+
+    Loaded from a checkpoint of another world size in the middle of an epoch, DASO does not know
+    its position in the epoch (:attr:`position_unknown`) and :meth:`step` raises ValueError until
+    :meth:`resume_at` is called (``heatlike.utils.checkpoint.load`` calls it when the data loader
+    is passed to it).
     """
 
     def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,
@@ -215,6 +228,10 @@ class DASO(WrappedOptimizer):
         self.bytes_node = 0   # bytes this rank moved in node-local parameter broadcasts
         self.bytes_warmup = 0  # payload bytes of the warmup's gradient all-reduces (this rank)
         self.closed = False
+        # loaded at another world size in the middle of an epoch: (saved world size, saved batch)
+        # until resume_at gives the position in this run's batches
+        self._lost_position: tuple[int, int] | None = None
+        self._agree_position = False  # the next step checks that every rank has the same
         self.reset()
 
     # -- Heat's methods ------------------------------------------------------------------------
@@ -255,7 +272,36 @@ class DASO(WrappedOptimizer):
         self.epoch = 0
         self.current_batch = 0
         self._send_mod = 0
+        self._lost_position = None
         self._set_epoch_parameters()
+
+    @property
+    def position_unknown(self) -> bool:
+        """Whether DASO was loaded from a checkpoint of another world size in the middle of an
+        epoch and waits for :meth:`resume_at` (every rank holds the same value)."""
+        return self._lost_position is not None
+
+    def resume_at(self, batch: int) -> None:
+        """Continue the current epoch with its batch ``batch`` (0-based: the number of batches of
+        the epoch already served, a data loader's position after loading its state). Call it on
+        every rank with the same value (the next :meth:`step` checks); it clears
+        :attr:`position_unknown`. ``batch`` equal to ``last_batch`` means the epoch was served
+        completely: DASO continues with the next epoch's first batch. The global
+        synchronizations in flight are merged at the next step if their batch has passed."""
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise TypeError(f"DASO.resume_at: batch must be an int, got {type(batch).__name__}")
+        if batch < 0:
+            raise ValueError(f"DASO.resume_at: batch must be >= 0, got {batch}")
+        self._lost_position = None
+        self._agree_position = True
+        if isinstance(self.last_batch, int) and batch == self.last_batch:
+            _complete_pending(self._pending)  # (nothing is merged after an epoch's last batch)
+            self._pending.clear()
+            self.epoch += 1
+            self.current_batch = 0
+            self._send_mod = 0
+            return
+        self.current_batch = batch
 
     def set_model(self, model: torch.nn.Module) -> None:
         """The module whose parameters DASO synchronizes (done by DataParallelMultiGPU;
@@ -377,11 +423,27 @@ class DASO(WrappedOptimizer):
         if self.module is None:
             raise RuntimeError("DASO has no model: wrap it with "
                                "heatlike.nn.DataParallelMultiGPU(module, daso)")
-        if self.current_batch == 0:  # every rank starts its epochs here together
-            agree_on({"last_batch": self.last_batch}, self.comm, "DASO.last_batch")
+        if self._lost_position is not None:  # the same on every rank: every rank raises
+            size, batch = self._lost_position
+            raise ValueError(
+                f"DASO was loaded from a checkpoint saved at {size} ranks in the middle of an "
+                f"epoch ({batch} batches of it served, of that run's global batch size), so its "
+                f"position in the epoch at {self.comm.size} ranks is unknown: pass the data "
+                f"loader to heatlike.utils.checkpoint.load (as saved, e.g. loader=loader), or "
+                f"call DASO.resume_at(batch) with the number of this epoch's batches already "
+                f"served")
+        if self.current_batch == 0 or self._agree_position:  # every rank starts its epochs
+            agree_on({"last_batch": self.last_batch,  # (and a resumed one) here together
+                      "current_batch": self.current_batch}, self.comm, "DASO.last_batch")
+            self._agree_position = False
         if not isinstance(self.last_batch, int) or self.last_batch < 1:
             raise ValueError("set DASO.last_batch to the number of batches per epoch "
                              f"(a positive int) before step(), got {self.last_batch!r}")
+        if self.current_batch >= self.last_batch:
+            raise ValueError(f"DASO.current_batch ({self.current_batch}) is not below "
+                             f"last_batch ({self.last_batch}): the epoch has fewer batches than "
+                             f"DASO has already stepped in it; set last_batch to the number of "
+                             f"batches per epoch, or call resume_at() with the loader's position")
         unsynchronized_grads(self._frozen, "DASO's model (DataParallelMultiGPU)")
         self._current_buffers()
         if self.gradient_warmup:
@@ -398,7 +460,7 @@ class DASO(WrappedOptimizer):
         b, final = self.current_batch, self.last_batch - 1
         if self.trace is not None and self.local_sync_now():
             self.trace.append((self.epoch, b, "local"))
-        for sync in [s for s in self._pending if s.receive_at == b]:
+        for sync in [s for s in self._pending if s.receive_at <= b]:
             self._pending.remove(sync)
             self._receive(sync, blocking=False)
         gs = self.global_skip
@@ -651,9 +713,27 @@ class DASO(WrappedOptimizer):
 
     # -- state ---------------------------------------------------------------------------------
 
+    def _layout(self) -> dict:
+        """The layout a checkpoint is saved at: the world size, the ranks per node and the node
+        of every rank (what the shards of a synchronization and the node flags refer to)."""
+        topo = self.topology
+        return {"world_size": self.comm.size, "local_sizes": list(topo.local_sizes),
+                "node_ids": list(topo.node_ids)}
+
+    def _same_layout(self, saved: dict | None) -> bool:
+        """Whether a checkpoint's recorded layout is this DASO's (one without a record, from an
+        older version, is taken as saved at this layout)."""
+        if not isinstance(saved, dict):
+            return True
+        here = self._layout()
+        return all(k not in saved or [int(v) for v in saved[k]] == here[k]
+                   for k in ("local_sizes", "node_ids")) and \
+            int(saved.get("world_size", here["world_size"])) == here["world_size"]
+
     def _engine_state(self) -> dict:
         """The global synchronizations in flight (their all-reduces are completed; each is still
-        merged at its own batch, so a run resumed from this state continues exactly)."""
+        merged at its own batch, so a run resumed from this state continues exactly) and the
+        layout their shards are cut for."""
         pending = []
         for sync in self._pending:
             for request in sync.requests:
@@ -663,12 +743,21 @@ class DASO(WrappedOptimizer):
                             "receive_at": sync.receive_at, "btw": sync.btw,
                             "payload": sync.payload.clone() if sync.payload is not None
                             else None})
-        return {"pending": pending}
+        return {"pending": pending, "layout": self._layout()}
 
     def _load_engine_state(self, state: dict) -> None:
+        """Restore the synchronizations in flight; those of a checkpoint saved at another layout
+        are dropped (their shards are cut for the saved nodes)."""
         _complete_pending(self._pending)
         self._pending.clear()
-        for saved in state.get("pending", []):
+        saved_pending = state.get("pending", [])
+        if saved_pending and not self._same_layout(state.get("layout")):
+            get_logger().info(
+                "DASO: the checkpoint was saved at another layout (%s), this run has %s: its %d "
+                "global synchronization(s) in flight are dropped", _describe_layout(
+                    state["layout"]), _describe_layout(self._layout()), len(saved_pending))
+            return
+        for saved in saved_pending:
             payload = saved["payload"]
             self._pending.append(_Sync(saved["group"], saved["start"], saved["receive_at"],
                                        saved["btw"], payload=None if payload is None else
@@ -676,7 +765,7 @@ class DASO(WrappedOptimizer):
 
     def state_dict(self) -> dict:
         """torch's state dict of the local optimizer, DASO's schedule (``"daso"``) and the global
-        synchronizations in flight (``"engine"``)."""
+        synchronizations in flight (``"engine"``), each with the layout it was saved at."""
         state = super().state_dict()
         state["daso"] = {"epoch": self.epoch, "current_batch": self.current_batch,
                          "global_skip": self.global_skip, "local_skip": self.local_skip,
@@ -685,23 +774,61 @@ class DASO(WrappedOptimizer):
                          "ref": self._ref.detach().clone(),
                          "replicas_agree": self._replicas_agree,
                          "node_agrees": self._node_agrees,
-                         "node_states_agree": self._node_states_agree}
+                         "node_states_agree": self._node_states_agree,
+                         "layout": self._layout(),
+                         "lost_position": (list(self._lost_position)
+                                           if self._lost_position is not None else None)}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`. At the layout it was saved at, everything continues exactly.
+        At another layout (module docstring, "Checkpoints"): the synchronizations in flight are
+        dropped, the groups' turns restart at group 0 and the node flags are cleared; at another
+        world size, a state saved in the middle of an epoch leaves :attr:`position_unknown` set
+        until :meth:`resume_at`."""
         state_dict = dict(state_dict)
         daso = state_dict.pop("daso", None)
         super().load_state_dict(state_dict)
         if daso is None:  # a plain torch optimizer state: the schedule stays as it is
             return
-        self.epoch, self.current_batch = daso["epoch"], daso["current_batch"]
+        self.epoch, batch = int(daso["epoch"]), int(daso["current_batch"])
         self.global_skip, self.local_skip = daso["global_skip"], daso["local_skip"]
-        self.batches_to_wait, self._send_mod = daso["batches_to_wait"], daso["send_mod"]
+        self.batches_to_wait = daso["batches_to_wait"]
         self.stability.load_state_dict(daso["stability"])
         self._ref.copy_(daso["ref"])
         self._replicas_agree = bool(daso.get("replicas_agree", False))
-        self._node_agrees = bool(daso.get("node_agrees", False))
-        self._node_states_agree = bool(daso.get("node_states_agree", self._node_agrees))
+        lost = daso.get("lost_position")
+        self._lost_position = (int(lost[0]), int(lost[1])) if lost is not None else None
+        self._agree_position = True
+        layout = daso.get("layout")
+        if self._same_layout(layout):
+            self.current_batch, self._send_mod = batch, int(daso["send_mod"]) % self.groups
+            self._node_agrees = bool(daso.get("node_agrees", False))
+            self._node_states_agree = bool(daso.get("node_states_agree", self._node_agrees))
+            return
+        # another layout: the saved node flags are about other nodes (each rank got its own
+        # parameters back at the same world size); the replicas' flag holds everywhere
+        self._send_mod = 0
+        self._node_agrees = self._node_states_agree = self._replicas_agree
+        size = int(layout.get("world_size", self.comm.size))
+        if size == self.comm.size:  # same global batch: the position holds
+            self.current_batch = batch
+        else:
+            self.current_batch = 0
+            if batch != 0:  # batches of the saved global batch size
+                self._lost_position = (size, batch)
+        get_logger().info(
+            "DASO: state saved at %s loaded at %s: the groups take turns from group 0%s",
+            _describe_layout(layout), _describe_layout(self._layout()),
+            "; the position in the epoch is unknown until resume_at() (checkpoint.load does it "
+            "when the data loader is passed)" if self._lost_position is not None else "")
+
+
+def _describe_layout(layout: dict) -> str:
+    sizes = layout.get("local_sizes")
+    return (f"{layout.get('world_size', '?')} ranks on nodes of "
+            f"{'+'.join(str(n) for n in sizes) if sizes is not None else '?'} ranks, "
+            f"node ids {layout.get('node_ids', '?')}")
 
 
 def _complete_pending(pending: list) -> None:

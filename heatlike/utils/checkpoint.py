@@ -62,7 +62,8 @@ way). At a different world size, per-rank leaves cannot be given back: floating-
 the model and of the torch optimizer state are replaced by their average over the saved ranks,
 and per-rank engine state (under ``"engine"``), RNG states and other leaves are reset to the
 value the freshly built objects have. :func:`load` returns what it did in ``.averaged`` and
-``.reset`` and logs it on rank 0.
+``.reset`` and logs it on rank 0. A DASO saved in the middle of an epoch continues at the
+position of the data loader passed with it (see :func:`load`).
 """
 
 from __future__ import annotations
@@ -847,6 +848,11 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     so does a checkpoint that does not fit the objects. Loading is all or nothing: if restoring
     fails on any rank, every object on every rank is put back as it was and the error is
     raised on every rank (see the module docstring).
+
+    A DASO loaded at another world size in the middle of an epoch (``optimizer``, or the
+    optimizer of the DataParallelMultiGPU ``model``) continues at the position of the data
+    loader, when exactly one :class:`heatlike.utils.data.DataLoader` is passed among the keyword
+    objects (see ``DASO.resume_at``).
     """
     comm = _comm_of(model, optimizer, comm)
     try:
@@ -909,6 +915,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
         error = e
     raise_together(error, comm, (CheckpointError,))
     _apply(plan, comm)
+    _resume_position(model, optimizer, stateful)
     result = plan.result
     if result.averaged or result.reset:
         get_logger().warning(
@@ -916,6 +923,22 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
             "the saved ranks: %s; reset: %s", path, saved_size, comm.size,
             _shorten(result.averaged), _shorten(result.reset))
     return result
+
+
+def _resume_position(model, optimizer, stateful: dict) -> None:
+    """An optimizer that lost its position in the epoch while loading (DASO at another world
+    size, ``position_unknown``) continues at the position of the data loader loaded with it,
+    when exactly one :class:`heatlike.utils.data.DataLoader` was passed: the batches of its
+    current epoch already served. The same on every rank (so are the mark and the position)."""
+    from .data import DataLoader
+
+    loaders = [obj for obj in stateful.values() if isinstance(obj, DataLoader)]
+    if len(loaders) != 1:
+        return
+    for candidate in (optimizer, getattr(model, "optimizer", None)):
+        if getattr(candidate, "position_unknown", False) is True:
+            candidate.resume_at(loaders[0]._position)
+            return
 
 
 def _shorten(names: list[str], most: int = 6) -> str:
