@@ -248,3 +248,34 @@ def test_states_of_another_or_an_unrecorded_layout(comm):
     mine = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     for other_rank in comm.handle.allgather(mine):
         assert torch.equal(other_rank, mine)
+
+
+def test_the_scheduler_daso_steps_is_saved_with_it(comm, tmp_path):
+    """DASO steps its ``scheduler`` after every batch: its state travels in DASO's state dict,
+    so a checkpoint of the model and DASO alone resumes the learning-rate schedule (it restarted
+    from the first epoch's rate)."""
+    path = _shared_path(comm, tmp_path)
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+        sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.5)
+        daso = DASO(sgd, total_epochs=4, comm=comm, warmup_epochs=1, cooldown_epochs=1,
+                    scheduler=schedule)
+        model = DataParallelMultiGPU(net, daso)
+        daso.last_batch = 6
+        return daso, model, schedule
+
+    daso, model, schedule = build()
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(5):
+        _step(daso, model, (torch.randn(2, 5, generator=g), torch.randint(0, 3, (2,),
+                                                                        generator=g)))
+    checkpoint.save(path, model, daso)
+    lr = daso.param_groups[0]["lr"]
+    assert lr == pytest.approx(0.05 * 0.5 ** 2)
+    resumed, resumed_model, resumed_schedule = build()
+    checkpoint.load(path, resumed_model, resumed)
+    assert resumed.param_groups[0]["lr"] == lr
+    assert resumed_schedule.state_dict() == schedule.state_dict()

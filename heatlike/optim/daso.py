@@ -777,7 +777,11 @@ class DASO(WrappedOptimizer):
                          "node_states_agree": self._node_states_agree,
                          "layout": self._layout(),
                          "lost_position": (list(self._lost_position)
-                                           if self._lost_position is not None else None)}
+                                           if self._lost_position is not None else None),
+                         # the scheduler DASO steps: a resumed run continues its schedule
+                         # even when the program saves only the optimizer
+                         "scheduler": (self.scheduler.state_dict()
+                                       if self.scheduler is not None else None)}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -795,6 +799,8 @@ class DASO(WrappedOptimizer):
         self.global_skip, self.local_skip = daso["global_skip"], daso["local_skip"]
         self.batches_to_wait = daso["batches_to_wait"]
         self.stability.load_state_dict(daso["stability"])
+        if self.scheduler is not None and daso.get("scheduler") is not None:
+            self.scheduler.load_state_dict(daso["scheduler"])
         self._ref.copy_(daso["ref"])
         self._replicas_agree = bool(daso.get("replicas_agree", False))
         lost = daso.get("lost_position")
