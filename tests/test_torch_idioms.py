@@ -555,3 +555,25 @@ def test_converting_the_module_after_wrapping_is_a_clear_error(comm, wrapper):
         model(x.double())
     with torch.no_grad():  # evaluation still runs
         assert model(x.double()).dtype == torch.float64
+
+
+@pytest.mark.mpi(min_size=2)
+def test_converting_one_layer_after_wrapping_names_it(comm):
+    """One layer converted after wrapping (not its bucket's first parameter, which the forward
+    checks): the write-back of the averages names the parameter and what to do, on every rank
+    (before: torch's "attempting to assign a gradient with dtype 'float'")."""
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc2(torch.tanh(self.fc1(x.to(self.fc1.weight.dtype))).float())
+
+    net = Mixed()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt)
+    net.fc1.double()
+    with pytest.raises(RuntimeError, match=r"'fc1\.(weight|bias)' was converted after its "
+                                           r"gradient bucket was planned .*torch.float64"):
+        model(torch.randn(4, 6)).sum().backward()

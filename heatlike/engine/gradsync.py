@@ -807,13 +807,27 @@ class GradientSync:
                     continue
                 in_bucket = _is_view_of(p.grad, view)
                 if not in_bucket and self.grad_as_bucket_view and p.is_contiguous():
-                    p.grad = view
+                    try:
+                        p.grad = view
+                    except RuntimeError as e:  # torch refuses a gradient of another dtype
+                        self._refuse_converted(p, bucket, e)
                 elif not in_bucket:
                     if p.grad is None or p.grad.layout != torch.strided:
                         p.grad = torch.empty_like(p)  # a sparse gradient's average is dense
                     p.grad.copy_(view)
                 used.append(p)
         return self._consume(b, used)
+
+    def _refuse_converted(self, p: torch.nn.Parameter, bucket: Bucket, error: Exception) -> None:
+        """Raise the clear error for a parameter converted on its own after the buckets were
+        planned (``model.fc1.double()``: the forward's check looks at each bucket's first
+        parameter only), else ``error`` as it is."""
+        if p.dtype == bucket.dtype and p.device == bucket.device:
+            raise error
+        raise RuntimeError(
+            f"{self.names[self._index[id(p)]]!r} was converted after its gradient bucket was "
+            f"planned ({bucket.dtype} on {bucket.device} then, {p.dtype} on {p.device} now): "
+            "convert the module (.double(), .to(...)) before wrapping it") from error
 
     def _consume(self, b: int, used: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         for i in range(len(self.buckets[b].params)):
