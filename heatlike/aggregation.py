@@ -218,8 +218,8 @@ class DecentralizedAggregation(Aggregation):
                  use_cuda: bool = False, *, comm: MPICommunication | None = None,
                  weights: str = "metropolis") -> None:
         comm = sanitize_comm(comm)
-        if rank is not None and rank != comm.rank:
-            raise ValueError(f"rank={rank!r} but this process is rank {comm.rank}")
+        raise_together(ValueError(f"rank={rank!r} but this process is rank {comm.rank} of comm")
+                       if rank is not None and rank != comm.rank else None, comm)
         self.graph = NeighborGraph.ring(comm, weights) if neighbors is None else \
             NeighborGraph(comm, neighbors, weights)
         super().__init__(use_cuda, comm=comm)

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 import heatlike as hl
 from heatlike import aggregation, nn, optim
-from heatlike.engine import Cast
+from heatlike.engine import Cast, TopK
 from heatlike.utils import checkpoint, data
 
 pytestmark = pytest.mark.mpi
@@ -156,11 +156,46 @@ CASES = [
     Case("SignSGD", "wrong value: nesterov without momentum",
          lambda: optim.SignSGD(mlp().parameters(), lr=0.1, nesterov=True),
          ValueError, "Nesterov"),
+    Case("SignSGD", "wrong value: momentum",
+         lambda: optim.SignSGD(mlp().parameters(), lr=0.1, momentum=-1),
+         ValueError, "Invalid momentum value: -1"),
+    Case("SignSGD", "wrong value: weight_decay",
+         lambda: optim.SignSGD(mlp().parameters(), lr=0.1, weight_decay=-1),
+         ValueError, "Invalid weight_decay value: -1"),
+    Case("SignSGD", "wrong value: dampening",
+         lambda: optim.SignSGD(mlp().parameters(), lr=0.1, momentum=0.9, dampening=-0.5),
+         ValueError, "Invalid dampening value: -0.5"),
+    Case("SignSGD", "mismatch: momentum valid on some ranks only",
+         lambda: optim.SignSGD(mlp().parameters(), lr=0.1, momentum=on_rank(0.9, -0.9)),
+         ValueError, "Invalid momentum value", True),
+    Case("SparsifiedSGD", "wrong value: weight_decay",
+         lambda: optim.SparsifiedSGD(mlp().parameters(), lr=0.1, weight_decay=-1),
+         ValueError, "Invalid weight_decay value: -1"),
+    Case("CentralizedSparsifiedSGD", "wrong value: weight_decay",
+         lambda: optim.CentralizedSparsifiedSGD(mlp().parameters(), lr=0.1, weight_decay=-1),
+         ValueError, "Invalid weight_decay value: -1"),
+    Case("CustomCentralizedOptimizer", "mismatch: denom",
+         lambda: _custom_step(on_rank(4.0, 5.0)), ValueError, "denom differs between ranks",
+         True),
+    Case("CustomCentralizedOptimizer", "wrong value: denom",
+         lambda: _custom_step(on_rank(4.0, 0.0)), ValueError, "positive denom"),
+    Case("FP16Optimizer", "mismatch: denom",
+         lambda: _custom_step(on_rank(4.0, 5.0), fp16=True), ValueError,
+         "denom differs between ranks", True),
+    Case("FP16Optimizer", "wrong value: grad_clip",
+         lambda: optim.FP16Optimizer(mlp().half(), grad_clip=-1.0, average_world=True),
+         ValueError, "grad_clip must be positive"),
     Case("DecentralizedSGD", "wrong value: rank",
          lambda: optim.DecentralizedSGD(rank=RANK + 1, neighbors=[], model=mlp(), lr=0.1),
          ValueError, "rank"),
     Case("DecentralizedSGD", "wrong type: model",
          lambda: optim.DecentralizedSGD(model=[1, 2], lr=0.1), TypeError, "torch.nn.Module"),
+    Case("DecentralizedSGD", "wrong value: codec gossip cannot mix",
+         lambda: optim.DecentralizedSGD(model=mlp(), lr=0.1, codec=TopK(k=2)),
+         ValueError, "gossip mixes the ranks' models"),
+    Case("DecentralizedAggregation", "mismatch: rank right on rank 0 only",
+         lambda: aggregation.DecentralizedAggregation(rank=0), ValueError,
+         "rank=0 but this process is rank", True),
     Case("FP16Optimizer", "wrong value: world_size",
          lambda: optim.FP16Optimizer(mlp().half(), world_size=SIZE + 2), ValueError,
          "world_size"),
@@ -236,6 +271,24 @@ CASES = [
              [*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1)),
          checkpoint.CheckpointError, "groups of [4] parameters in the checkpoint, [5] here"),
 ]
+
+
+def _custom_step(denom: float, fp16: bool = False) -> None:
+    """One step of average_custom with ``denom`` (CustomCentralizedOptimizer or
+    FP16Optimizer): a per-rank denominator would give every rank another model."""
+    model = mlp().half() if fp16 else mlp()
+    if fp16:
+        opt = optim.FP16Optimizer(model, average_custom=True)
+        opt.set_optimizer(torch.optim.SGD([opt.fp32_params], lr=0.1))
+    else:
+        opt = optim.CustomCentralizedOptimizer(model, None, sgd(model), average_custom=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.ones(2, 4, dtype=torch.float16 if fp16 else torch.float32)
+    model(x).float().sum().backward()
+    try:
+        opt.step(denom=denom)
+    finally:
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
 def _load_with(make_optimizer) -> None:

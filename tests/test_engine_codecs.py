@@ -1219,3 +1219,45 @@ def test_an_empty_tensor_exchanges_through_every_gathering_codec(comm, name):
     codec = PER_TENSOR_INNER[name]()
     got = _run(codec, torch.empty(0), comm, AllReduce(comm), shapes=[torch.Size([0])])
     assert got.numel() == 0
+
+
+@pytest.mark.parametrize("n, k", [(10, 5), (12, 3), (10, 4), (7, 7), (3, 5)])
+def test_random_block_draws_aligned_blocks(comm, n, k):
+    """RandomBlock draws mlbench-core's aligned blocks ``[b k, (b + 1) k)``, each as likely, so
+    every entry is sent with probability k / n when k divides n (a start drawn from
+    ``[0, n - k]`` sent the edges far less often than the middle). When k does not divide n,
+    one more block, the last k entries, is drawn as often as the others (mlbench never sent the
+    last ``n mod k``). Through the exchange: shared blocks are the same on every rank, the
+    ranks' own blocks differ between ranks."""
+    T = 3000
+    kk = min(k, n)
+    starts = list(range(0, n - kk + 1, kk)) if n % kk == 0 else \
+        list(range(0, n - kk + 1, kk)) + [n - kk]
+    expected = torch.zeros(n)
+    for s in starts:
+        expected[s:s + kk] += 1 / len(starts)
+    codec = RandomBlock(k=k)
+    hits, seen = torch.zeros(n), set()
+    for step in range(T):
+        chosen = codec._select(n, kk, Context(key=(0, 0), shapes=[], size=comm.size,
+                                              rank=comm.rank, step=step).generator(), "cpu")
+        seen.add(chosen.start)
+        hits[chosen] += 1
+    assert seen == set(starts)
+    assert torch.allclose(hits / T, expected, atol=0.04), (hits / T).tolist()
+    for shared in (True, False):
+        codec = RandomBlock(k=k, shared=shared)
+        blocks = []
+        for step in range(8):
+            x = torch.arange(1.0, n + 1) * (comm.rank + 1)
+            _run(codec, x.clone(), comm, step=step)
+            sent = (x - codec.state_for(0)["residual"]) != 0
+            first = int(sent.float().argmax())
+            assert first in starts and int(sent.sum()) == kk
+            blocks.append(first)
+            codec.states.clear()
+        everyone = comm.handle.allgather(blocks)
+        if shared or len(starts) == 1:
+            assert all(b == blocks for b in everyone)
+        elif comm.size > 1:
+            assert any(b != blocks for b in everyone)

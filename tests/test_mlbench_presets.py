@@ -910,3 +910,202 @@ def test_error_feedback_keeps_the_memory_of_a_parameter_no_rank_used(comm, prese
         moved = (start[k] - p.detach()).reshape(-1).double()
         assert torch.allclose(moved, everyone / comm.size, atol=1e-5), \
             (preset, k, (moved - everyone / comm.size).abs().max().item())
+
+
+def _rank_models(comm, lr):
+    """Every rank's model and plain-SGD optimizer, simulated in this process from rank 0's
+    initial weights (what the presets broadcast)."""
+    nets = [_net() for _ in range(comm.size)]
+    return nets, [torch.optim.SGD(n.parameters(), lr=lr) for n in nets]
+
+
+def _local_steps(nets, opts, step):
+    """Each simulated rank's local SGD step on its part of the combined batch."""
+    x, y = _data(step, len(nets) * B)
+    for r, (n, o) in enumerate(zip(nets, opts)):
+        o.zero_grad()
+        nn.functional.cross_entropy(n(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B]).backward()
+        o.step()
+
+
+def _train_weights(comm, opt, net, steps):
+    x_all = [_data(step, comm.size * B) for step in range(steps)]
+    mine = slice(comm.rank * B, (comm.rank + 1) * B)
+    for x, y in x_all:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+        opt.step()
+
+
+def _set_flat(net, flat):
+    offset = 0
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+
+@pytest.mark.parametrize("codec", ["bf16", "topk"])
+def test_weight_mode_codec_sends_changes_not_weights(comm, codec):
+    """agg_grad=False with a lossy codec: the first step averages the weights exactly, later
+    steps x <- x_ref + (1/P) sum_r C(x_r - x_ref) with x_ref the last synchronized weights (the
+    codec never sees the weights: bf16 rounded every weight to bfloat16 at every step, losing
+    updates below a bfloat16 step, and top-k zeroed all weights but k). Reference: every rank's
+    local step and the formula, computed here (top-k with its error feedback per rank)."""
+    P, lr, steps, k = comm.size, 0.01, 4, 5
+    with torch.no_grad():  # weights near 1: bf16 rounding of the weights would be visible
+        start = _flat(_net()) + 1.0
+    net = _net()
+    _set_flat(net, start)
+    spec = "bf16" if codec == "bf16" else TopK(k=k)
+    opt = optim.CentralizedSGD(model=net, lr=lr, agg_grad=False, codec=spec, comm=comm)
+    _train_weights(comm, opt, net, steps)
+
+    nets, opts = _rank_models(comm, lr)
+    for n in nets:
+        _set_flat(n, start)
+    residuals = [torch.zeros_like(start) for _ in range(P)]
+    ref = None
+    for step in range(steps):
+        _local_steps(nets, opts, step)
+        xs = [_flat(n) for n in nets]
+        if ref is None:
+            x = torch.stack(xs).sum(0) / P
+        elif codec == "bf16":  # bf16 contributions, summed in float32 and rounded once
+            summed = torch.stack([(xr - ref).to(torch.bfloat16).float() for xr in xs]).sum(0)
+            x = ref + summed.to(torch.bfloat16).float() / P
+        else:
+            summed = torch.zeros_like(start)
+            for r, xr in enumerate(xs):
+                total = xr - ref + residuals[r]
+                idx = torch.topk(total.abs(), k).indices
+                summed.index_add_(0, idx, total[idx])
+                total[idx] = 0
+                residuals[r] = total
+            x = ref + summed / P
+        ref = x.clone()
+        for n in nets:
+            _set_flat(n, x)
+    tol = dict(rtol=0, atol=3e-5) if codec == "bf16" else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(_flat(net), ref, **tol)
+    _same_everywhere(comm, net)
+    # the weights themselves through bf16 would be 2^-8 off: the change is far below that
+    assert (_flat(net) - start).abs().max() < 0.05
+    # the aggregation API's weights through a lossy codec: only the average, as changes
+    sparse = agg.SparsifiedAggregation(net, k=3, comm=comm)
+    before = _flat(net)
+    sparse.agg_model()(net, op="avg")  # the first call: exact (replicas equal: unchanged)
+    torch.testing.assert_close(_flat(net), before)
+    with pytest.raises(ValueError, match="op='avg'"):
+        sparse.agg_model()(net, op="sum")
+
+
+def test_decentralized_sgd_bf16_gossips_changes(comm):
+    """DecentralizedSGD(codec="bf16"): CHOCO-gossip with step 1 (public copies h, mixes y kept
+    at full precision, bf16 changes on the wire) against the formula on every rank's model
+    simulated here; lossy codecs it cannot reproduce raise ValueError on every rank."""
+    P, lr, steps = comm.size, 0.01, 4
+    with torch.no_grad():
+        start = _flat(_net()) + 1.0
+    net = _net()
+    _set_flat(net, start)
+    opt = optim.DecentralizedSGD(model=net, lr=lr, codec="bf16", comm=comm)
+    _train_weights(comm, opt, net, steps)
+
+    adjacency = opt.graph.adjacency
+    degree = [len(a) for a in adjacency]
+    weights = [[1.0 / (1 + max(degree[i], degree[j])) for j in adjacency[i]] for i in range(P)]
+    selfw = [1.0 - sum(w) for w in weights]
+    nets, opts = _rank_models(comm, lr)
+    for n in nets:
+        _set_flat(n, start)
+    public = mixed = None
+    for step in range(steps):
+        _local_steps(nets, opts, step)
+        xs = [_flat(n) for n in nets]
+        if public is None:  # the first mix is exact; it sets h = x and y = W x
+            public = [x.clone() for x in xs]
+            new = []
+            for i in range(P):
+                y = xs[i].clone().mul_(selfw[i])  # the gossip's own operations
+                for j, w in zip(adjacency[i], weights[i]):
+                    y.add_(xs[j], alpha=w)
+                new.append(y)
+            mixed = [y.clone() for y in new]
+        else:
+            qs = [(xs[i] - public[i]).to(torch.bfloat16).float() for i in range(P)]
+            new = []
+            for i in range(P):
+                mixed[i].add_(qs[i], alpha=selfw[i])
+                for j, w in zip(adjacency[i], weights[i]):
+                    mixed[i].add_(qs[j], alpha=w)
+                public[i].add_(qs[i])
+                new.append(xs[i] + mixed[i] - public[i])
+        for n, x in zip(nets, new):
+            _set_flat(n, x)
+    torch.testing.assert_close(_flat(net), _flat(nets[comm.rank]), rtol=1e-6, atol=1e-6)
+    mean = _flat(net).double()
+    comm.Allreduce(hl.IN_PLACE, mean)
+    plain = torch.stack([_flat(n).double() for n in nets]).sum(0)
+    torch.testing.assert_close(mean, plain, rtol=1e-6, atol=1e-6)
+    for bad in (TopK(k=2), hl.engine.RandomK(k=2)):
+        with pytest.raises(ValueError, match="gossip"):
+            optim.DecentralizedSGD(model=_net(), lr=lr, codec=bad, comm=comm)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_powersgd_on_a_half_precision_model(comm, dtype):
+    """PowerSGD on a bfloat16 / float16 model (torch has no QR for half types on the CPU: the
+    factor is computed in float32 and rounded back). At a rank that makes the approximation
+    exact the step is SGD on the average gradient, to half precision (reference: every rank's
+    gradient computed here); at rank 1 the replicas stay equal and finite."""
+    lr = 0.5
+    for rank in (64, 1):
+        net = _net().to(dtype)
+        start = [p.detach().clone() for p in net.parameters()]
+        opt = optim.PowerSGD(model=net, lr=lr, rank=rank, comm=comm)
+        x, y = _data(0, comm.size * B)
+        mine = slice(comm.rank * B, (comm.rank + 1) * B)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x[mine].to(dtype)).float(), y[mine]).backward()
+        opt.step()
+        assert all(bool(torch.isfinite(p).all()) and p.dtype == dtype for p in net.parameters())
+        _same_everywhere(comm, nn.ParameterList([nn.Parameter(p.detach().float())
+                                                 for p in net.parameters()]))
+        if rank == 1:
+            continue
+        ref = _net().to(dtype)
+        grads = []
+        for r in range(comm.size):
+            ref.zero_grad()
+            part = slice(r * B, (r + 1) * B)
+            nn.functional.cross_entropy(ref(x[part].to(dtype)).float(), y[part]).backward()
+            grads.append([p.grad.double() for p in ref.parameters()])
+        moved = 0.0
+        for i, (p, p0) in enumerate(zip(net.parameters(), start)):
+            mean = torch.stack([g[i] for g in grads]).mean(0)
+            expected = p0.double() - lr * mean
+            got = p.detach().double()
+            torch.testing.assert_close(got, expected, rtol=0, atol=4e-3)
+            moved = max(moved, float((got - p0.double()).abs().max()))
+        assert moved > 2e-2  # far more than the tolerance: the step was taken
+
+
+def test_fp16_optimizer_stops_at_min_scale(comm):
+    """An overflow that brings the loss scale down to min_scale raises RuntimeError on every
+    rank, as mlbench's ``loss_scale <= min_scale`` (one that stays above it skips the step)."""
+    for init, raises in ((4.0, False), (2.0, True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).half()
+        fp = optim.FP16Optimizer(model, average_world=True, init_scale=init, min_scale=1.0,
+                                 comm=comm)
+        fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1))
+        x, y = _data(0, B)
+        fp.backward_loss(nn.functional.cross_entropy(model(x.half()).float(), y))
+        if comm.rank == comm.size - 1:
+            model[0].weight.grad[0, 0] = float("inf")
+        if raises:
+            with pytest.raises(RuntimeError, match="reached min_scale 1.0"):
+                fp.step()
+        else:
+            assert not fp.step() and fp.loss_scale == 2.0

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from heatlike import optim
+from heatlike.engine import ScaledSign, TopK
 
 pytestmark = pytest.mark.mpi
 STEPS, LR, B = 4, 0.05, 3
@@ -90,6 +91,11 @@ LOSSY = {
                                                              sparse_grad_size=5, comm=comm),
     "CentralizedSparsifiedSGD-5": lambda net, comm: optim.CentralizedSparsifiedSGD(
         net.parameters(), lr=LR, sparse_grad_size=5, random_sparse=True, comm=comm),
+    # weights through lossy codecs: residuals and the reference weights (gossip: public copies)
+    "CentralizedSGD-weights-topk": lambda net, comm: optim.CentralizedSGD(
+        model=net, lr=LR, momentum=0.9, agg_grad=False, codec=TopK(k=5), comm=comm),
+    "DecentralizedSGD-bf16": lambda net, comm: optim.DecentralizedSGD(
+        model=net, lr=LR, momentum=0.9, codec="bf16", comm=comm),
 }
 
 SCHEDULERS = {
@@ -120,8 +126,10 @@ def _kwargs(name, comm) -> dict:
 
 
 def _train(comm, name, steps=STEPS, schedule=None, scaler=None, inf_at=None, make=None,
-           start=None):
-    """The preset trained on this rank's batches; returns (net, opt, params before each step)."""
+           start=None, new_scales=None):
+    """The preset trained on this rank's batches; returns (net, opt, params before each step).
+    ``new_scales``: the scale the scaler is given after each step (instead of its own update
+    rule)."""
     net = _net()
     if comm.rank:  # the preset starts every rank from rank 0's weights
         with torch.no_grad():
@@ -143,7 +151,7 @@ def _train(comm, name, steps=STEPS, schedule=None, scaler=None, inf_at=None, mak
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt, **_kwargs(name, comm))
-            scaler.update()
+            scaler.update(None if new_scales is None else new_scales[step])
         else:
             loss.backward()
             opt.step(**_kwargs(name, comm))
@@ -240,6 +248,39 @@ def test_grad_scaler_gives_the_same_model(comm, name):
     scaled, _, _ = _train(comm, name, scaler=scaler)
     _assert_close(scaled, plain, dict(rtol=1e-6, atol=1e-7), f"{name} with GradScaler")
     _assert_close(scaled, _reference(comm, name), PRESETS[name][4], f"{name} with GradScaler")
+
+
+# gradient-mode presets whose codec keeps error-feedback residuals of the scaled gradients
+SCALED_MEMORY = {
+    "PowerSGD-1": LOSSY["PowerSGD-1"],
+    "CentralizedSGD-topk": lambda net, comm: optim.CentralizedSGD(
+        model=net, lr=LR, momentum=0.9, codec=TopK(k=5), comm=comm),
+    "CentralizedAdam-scaled-sign": lambda net, comm: optim.CentralizedAdam(
+        model=net, lr=0.01, codec=ScaledSign(), comm=comm),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALED_MEMORY))
+def test_grad_scaler_rescales_error_feedback_memory(comm, name):
+    """The residuals of gradients exchanged at loss scale s enter the next exchange, at scale
+    s', multiplied by s' / s: the model of the run without a scaler while the scale doubles at
+    every step, jumps up and down, and across a checkpoint taken with the scaler's state (the
+    memory saved at the scale of the resumed run's first gradients)."""
+    make = SCALED_MEMORY[name]
+    tol = dict(rtol=1e-6, atol=1e-7)
+    plain, _, _ = _train(comm, None, make=make)
+    for new_scales in (None, [2.0 ** k for k in (13, 9, 12, 8)]):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        scaled, _, _ = _train(comm, None, make=make, scaler=scaler, new_scales=new_scales)
+        _assert_close(scaled, plain, tol, f"{name} with the scale changing ({new_scales})")
+    whole, _, _ = _train(comm, None, steps=6, make=make)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    half, opt, _ = _train(comm, None, steps=3, make=make, scaler=scaler)
+    saved = (copy.deepcopy(half.state_dict()), copy.deepcopy(opt.state_dict()), 3)
+    again = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
+    again.load_state_dict(scaler.state_dict())
+    resumed, _, _ = _train(comm, None, steps=6, make=make, start=saved, scaler=again)
+    _assert_close(resumed, whole, tol, f"{name} resumed with its scaler")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

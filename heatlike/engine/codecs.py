@@ -16,7 +16,8 @@ Cast(bf16/fp16)    n half floats (float32 accumulation)            yes        su
 TopK(k)            k (index, value) pairs, largest |x + e|          no         scatter-add
 RandomK(k)         k values at indices drawn from a seed all ranks  yes        scatter
                    share (``shared=False``: own indices, + index)
-RandomBlock(k)     k consecutive values from a shared random start  yes        scatter
+RandomBlock(k)     k consecutive values, an aligned block drawn     yes        scatter
+                   from a seed all ranks share
 Threshold(t)       (index, value) of every |x + e| >= t             no         scatter-add
 Sign               1 bit per value (2 when some rank has zeros)     no         sum of signs
 Sign(scaled=True)  as Sign, + mean |x + e|                          no         sum of scaled signs
@@ -50,7 +51,8 @@ from .exchange import Context, Gather, Rounds, Sum
 
 __all__ = ["all_finite", "Codec", "Identity", "Cast", "TopK", "RandomK", "RandomBlock",
            "Threshold", "Sign", "ScaledSign", "PowerSGD", "Clipped", "Warmup", "PerTensor",
-           "CODEC_NAMES", "codec_from", "codec_error"]
+           "CODEC_NAMES", "codec_from", "codec_error", "rescale_memory", "label_memory",
+           "LOSS_SCALE"]
 
 
 class Codec:
@@ -62,11 +64,22 @@ class Codec:
     carries_flags = False  # small integers in the tensor survive exactly (flags may ride along)
     stateful = False       # keeps state between exchanges (residuals, warm starts)
 
+    #: where the values given to the codec carry a loss scale that changes between exchanges
+    #: (``torch.amp.GradScaler``): a function returning the scale of the values of the
+    #: exchange about to run; :meth:`state_for` then brings the key's error-feedback residual
+    #: to that scale (:func:`rescale_memory`). None: the values carry no changing scale.
+    loss_scale = None
+
     def __init__(self) -> None:
         self.states: dict = {}
 
     def state_for(self, key: object) -> dict:
-        return self.states.setdefault(key, {})
+        """The state kept for ``key`` (a fresh dict the first time); where :attr:`loss_scale`
+        is set, its residuals brought to the current loss scale first."""
+        state = self.states.setdefault(key, {})
+        if self.loss_scale is not None:
+            rescale_memory(state, self.loss_scale())
+        return state
 
     def pre(self, x: torch.Tensor) -> None:
         """Applied to the raw values before the reducer scales them (default: nothing)."""
@@ -94,6 +107,43 @@ class Codec:
 
     def __repr__(self) -> str:
         return self.name
+
+
+#: the key under which a state records the loss scale its residuals are in (absent: 1)
+LOSS_SCALE = "loss_scale"
+
+
+def rescale_memory(state: dict, scale: float) -> None:
+    """Bring the error-feedback residuals of one key's ``state`` to loss scale ``scale``.
+
+    A residual is in the units of the values it was made from: with a loss scale s (AMP's
+    ``GradScaler`` multiplies the loss, hence the gradients, by s) it holds s e for the true
+    error e. When the scale of the next exchange is s', adding s e to s' g would weigh the
+    delayed part wrongly by s / s'; so every residual (under the key ``"residual"``, at any
+    depth: :class:`PerTensor` keeps one per tensor) is multiplied by s' / s first, and the
+    state records s' (:data:`LOSS_SCALE`). Warm-start queries (PowerSGD's Q) only give a
+    direction and are left alone."""
+    old = float(state.get(LOSS_SCALE, 1.0))
+    scale = float(scale)
+    if old != scale:
+        _scale_residuals(state, scale / old)
+    state[LOSS_SCALE] = scale
+
+
+def label_memory(states: dict, scale: float) -> None:
+    """Record that the residuals of every state in ``states`` (a codec's ``states``) are at
+    loss scale ``scale`` (they were made by an exchange of values at that scale); nothing is
+    rescaled."""
+    for state in states.values():
+        state[LOSS_SCALE] = float(scale)
+
+
+def _scale_residuals(state: dict, factor: float) -> None:
+    for key, value in state.items():
+        if isinstance(value, dict):
+            _scale_residuals(value, factor)
+        elif key == "residual" and isinstance(value, torch.Tensor):
+            value.mul_(factor)
 
 
 def _copied(state: dict) -> dict:
@@ -391,13 +441,23 @@ class RandomK(_RandomSubset):
 
 
 class RandomBlock(_RandomSubset):
-    """Send a block of k consecutive entries starting at a random offset (shared between ranks
-    by default, then only values travel and are summed)."""
+    """Send one of the aligned blocks of k consecutive entries, drawn at random (shared between
+    ranks by default, then only values travel and are summed).
+
+    The blocks are mlbench-core's: ``[b k, (b + 1) k)`` for ``b = 0 .. floor(n / k) - 1``, each
+    as likely, so every entry is sent with probability k / n when k divides n. Where it does not,
+    mlbench never sent the last ``n mod k`` entries (their memory grew and was never applied);
+    here one more block, the last k entries ``[n - k, n)``, is drawn as often as the others: each
+    entry is sent with probability 1 / ceil(n / k), those the last block shares with the one
+    before it with twice that."""
 
     kind = "randomblock"
 
     def _select(self, n, k, g, device):
-        start = int(torch.randint(0, n - k + 1, (1,), generator=g)) if n else 0
+        if not n or not k:
+            return slice(0, 0)
+        blocks = -(-n // k)  # ceil(n / k): the aligned blocks, and the tail's block if any
+        start = min(int(torch.randint(0, blocks, (1,), generator=g)) * k, n - k)
         return slice(start, start + k)
 
 
@@ -523,7 +583,7 @@ class PowerSGD(Codec):
     averaged Q with ``reuse_query``):
 
         P = M Q              summed over ranks (one round for all matrices and the 1-D tensors)
-        P = orth(P)          (QR; the same on every rank)
+        P = orth(P)          (QR, in float32 for half types; the same on every rank)
         Q_r = M^T P          this rank's factor; Q = sum of Q_r over ranks (second round)
         sum of M  ~  P Q^T,  residual <- M - P Q_r^T (this rank's own compression error,
                                                       Algorithm 2 of the paper)
@@ -575,8 +635,7 @@ class PowerSGD(Codec):
         yield Sum(first)
         offset = 0
         for j, p in enumerate(ps):
-            ps[j] = torch.linalg.qr(first[offset:offset + p.numel()].view(p.shape),
-                                    mode="reduced").Q
+            ps[j] = _orthonormal(first[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         for s in plain:
             x[s] = first[offset:offset + (s.stop - s.start)]
@@ -599,6 +658,16 @@ class PowerSGD(Codec):
             for s in plain:
                 total[s] = 0
             state["residual"] = total
+
+
+def _orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """The Q factor of ``p``'s reduced QR decomposition (orthonormal columns spanning ``p``'s),
+    in ``p``'s dtype. Half types are factorized in float32 and the factor rounded back: torch
+    has no QR for bfloat16 or float16 (on the CPU), and a factorization in half precision would
+    lose the orthogonality the approximation relies on."""
+    if p.dtype in (torch.bfloat16, torch.float16):
+        return torch.linalg.qr(p.float(), mode="reduced").Q.to(p.dtype)
+    return torch.linalg.qr(p, mode="reduced").Q
 
 
 def _narrow_product(m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

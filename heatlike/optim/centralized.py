@@ -17,26 +17,34 @@ initializations by a factor 1/sqrt(P)). ``by_layer=True`` gives every tensor its
 collective per tensor, as mlbench's ``by_layer``); otherwise tensors share buckets of
 ``bucket_cap_mb``.
 ``codec=`` and ``reducer=`` replace the engine's defaults (float32 values, flat all-reduce) for
-any preset, e.g. ``codec=heatlike.engine.Cast(torch.bfloat16)``; ``check_finite=True`` raises
-``FloatingPointError`` on every rank when the averaged gradients are not finite.
+any preset, e.g. ``codec=heatlike.engine.Cast(torch.bfloat16)``; in weight mode a lossy codec is
+given the change since the last synchronized weights, never the weights
+(``x <- x_ref + (1/P) sum_r C(x_r - x_ref)``, :mod:`heatlike.engine.paramsync`).
+``check_finite=True`` raises ``FloatingPointError`` on every rank when the averaged gradients are
+not finite.
 
 Every preset is a ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`):
 ``param_groups``, ``state`` and ``defaults`` are the local optimizer's, so LR schedulers work, and
 ``state_dict()`` is torch's with the engine's state under ``"engine"``. ``torch.amp.GradScaler``:
 in gradient mode the averages are in ``.grad`` when the scaler checks them, so every rank makes the
 same decision; in weight mode the scaler calls ``step()`` on every rank and the ranks agree there
-(any rank's non-finite gradient makes every rank skip). Because the averaging happens during
-backward, ``clip_grad_norm_`` between ``backward()`` and ``step()`` clips the average.
+(any rank's non-finite gradient makes every rank skip). A codec with error feedback in gradient
+mode compresses the scaled gradients; its residuals follow the scaler's scale from step to step
+(:class:`LossScaleTracker`). Because the averaging happens during backward, ``clip_grad_norm_``
+between ``backward()`` and ``step()`` clips the average.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
 from torch.optim.optimizer import required
 
-from ..core.agreement import raise_together
+from ..core.agreement import gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
-from ..engine.codecs import Codec, all_finite, codec_error
+from ..engine.codecs import Codec, all_finite, codec_error, label_memory, rescale_memory
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
@@ -89,6 +97,95 @@ def forget_nonfinite_state(codec: Codec) -> None:
                     if isinstance(v, torch.Tensor) and \
                             not all_finite(v):
                         del value[k]
+
+
+def agreed_denom(denom, comm: MPICommunication) -> float:
+    """Collective: ``step(denom=)`` of ``average_custom`` as a float, positive and the same on
+    every rank; ValueError on every rank otherwise, naming each rank's value.
+
+    The gradients are summed over the ranks during backward, before ``step()`` is called, and
+    the sum is divided by one denominator: a per-rank ``denom`` (each rank's own token count)
+    would give every rank another model. mlbench divided by each rank's own ``denom`` (after
+    the sum, or, with ``divide_before``, before it), so its replicas diverged, or each rank's
+    contribution was weighed by its own count."""
+    error, value = None, None
+    try:
+        value = None if denom is None else float(denom)
+    except (TypeError, ValueError, RuntimeError):
+        error = TypeError(f"denom must be a number or a one-element tensor, got {denom!r}")
+    if error is None and (value is None or not value > 0):
+        error = ValueError(f"average_custom needs a positive denom in step(), got {denom!r}")
+    values = gather_or_raise(value, error, comm, "the step's denom")
+    if len(set(values)) > 1:
+        shown = ", ".join(f"rank {r}: {v:g}" for r, v in enumerate(values))
+        raise ValueError(f"denom differs between ranks ({shown}): the gradients are summed over "
+                         "the ranks during backward and the sum is divided by one denominator; "
+                         "pass the same denom on every rank (e.g. the count over all ranks)")
+    return value
+
+
+def driving_grad_scaler() -> torch.amp.GradScaler | None:
+    """The ``torch.amp.GradScaler`` whose ``step()`` (or ``unscale_``-then-``step``) is calling
+    the optimizer step running now, found on the call stack; None without one."""
+    frame = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            return None
+        code = frame.f_code
+        if code.co_name in ("step", "_maybe_opt_step") and "self" in code.co_varnames:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.amp.GradScaler):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def current_loss_scale(scaler: torch.amp.GradScaler | None) -> float:
+    """The scale ``scaler`` multiplies losses by now (1 without an enabled scaler)."""
+    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+        return 1.0
+    return float(scaler._scale)
+
+
+class LossScaleTracker:
+    """Keeps a stateful codec's error-feedback memory in the units of the gradients it is given
+    when ``torch.amp.GradScaler`` scales them (gradient mode: the gradients are exchanged during
+    backward, scaled).
+
+    A residual made from gradients at scale s holds s e; the next exchange, at scale s' (the
+    scaler grows the scale after ``growth_interval`` clean steps and backs it off after an
+    overflow), must add s' e. At each step the optimizer finds the scaler driving it
+    (:func:`driving_grad_scaler`), labels the residuals just made with the scale of this step's
+    gradients (:func:`~heatlike.engine.codecs.label_memory`), and gives the codec the scaler's
+    scale as its :attr:`~heatlike.engine.codecs.Codec.loss_scale`: before the next exchange
+    the residuals are multiplied by s' / s (:func:`~heatlike.engine.codecs.rescale_memory`).
+    So the model is that of the run without a scaler (power-of-two scales: exactly).
+    """
+
+    def __init__(self, codec: Codec) -> None:
+        self.codec = codec
+        self.scaler: weakref.ref | None = None
+
+    def step(self, scaler: torch.amp.GradScaler | None) -> None:
+        """At a step whose gradients ``scaler`` scaled (None: unscaled)."""
+        if scaler is None and self.scaler is None:
+            return  # no scaler so far: the residuals are in the gradients' own units
+        label_memory(self.codec.states, current_loss_scale(scaler))
+        if scaler is None:
+            self.scaler, self.codec.loss_scale = None, None
+        elif self.scaler is None or self.scaler() is not scaler:
+            ref = self.scaler = weakref.ref(scaler)
+            self.codec.loss_scale = lambda: current_loss_scale(ref())
+
+    def settle(self) -> None:
+        """Bring every residual to the scaler's current scale (before the state is saved: a
+        resumed optimizer's first exchange, before it has met its scaler, then adds residuals
+        in the units of the saved scaler's next gradients)."""
+        source = self.codec.loss_scale
+        if source is not None:
+            scale = source()
+            for state in self.codec.states.values():
+                rescale_memory(state, scale)
 
 
 def _check_lr(lr) -> Exception | None:
@@ -144,6 +241,11 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
                                      on_backward_end=self._backward_end,
                                      check_finite=check_finite, names=[n for n, _ in named])
             self._synchronized = list(self.sync.params)
+            if self.sync.codec.stateful:
+                # error feedback keeps residuals of the scaled gradients: GradScaler calls
+                # step() on every rank with its scale, which the residuals follow
+                self._scales = LossScaleTracker(self.sync.codec)
+                self._step_supports_amp_scaling = True
         else:
             self.sync = ParameterSync(list(model.parameters()), comm, codec=codec,
                                       reducer=reducer, bucket_cap_mb=cap)
@@ -213,6 +315,14 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
         name = type(self).__name__
         if self.agg_grad:
             self._aggregate()
+            scales = self.__dict__.get("_scales")
+            if scales is not None:
+                scaled = "found_inf" in self.__dict__ or "grad_scale" in self.__dict__
+                scales.step(driving_grad_scaler() if scaled else None)
+                # the averages are the same on every rank, and so is the scaler's verdict
+                if amp_skip(self, self.comm, agree=False):
+                    track(tracker, "agg", self._new_bytes(), type(self.sync.reducer).__name__)
+                    return None
             track(tracker, "agg", self._new_bytes(), type(self.sync.reducer).__name__)
             if before_local is not None:
                 before_local()
@@ -233,6 +343,9 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
 
     def _engine_state(self) -> dict:
         """The engine's state: bucket plan, counters, codec residuals and warm starts."""
+        scales = self.__dict__.get("_scales")
+        if scales is not None:
+            scales.settle()
         return self.sync.state_dict()
 
     def _load_engine_state(self, state: dict) -> None:
@@ -324,11 +437,10 @@ class CustomCentralizedOptimizer(GenericCentralizedOptimizer):
 
     def step(self, closure=None, tracker=None, denom=None):
         """Aggregate (dividing by ``denom`` with ``average_custom``), clip, step (collective
-        check of ``denom``: ValueError on every rank unless it is positive on every rank)."""
+        check of ``denom``: ValueError on every rank unless it is positive and the same on every
+        rank, :func:`agreed_denom`)."""
         if self.average_custom:
-            raise_together(None if denom is not None and float(denom) > 0 else
-                           ValueError("average_custom needs a positive denom in step()"),
-                           self.comm)
+            denom = agreed_denom(denom, self.comm)
 
         def before_local() -> None:
             params = [p for p in self.sync.params if p.grad is not None]

@@ -101,6 +101,9 @@ class _UpdateSync(torch.optim.Optimizer):
                  bucket_cap_mb: float = 1e-6) -> None:
         comm = sanitize_comm(comm)
         error = _check_lr(defaults.get("lr", required)) or world_size_error(world_size, comm)
+        for name in ("weight_decay", "momentum", "dampening"):
+            if error is None and name in defaults:
+                error = _nonnegative_error(name, defaults[name])
         if error is None:
             try:  # torch's own checks of the parameters, shared like the others
                 super().__init__(params, defaults)
@@ -246,6 +249,13 @@ class CentralizedSparsifiedSGD(_UpdateSync):
             return loss
         self._exchange_and_apply_sgd_updates(tracker)
         return loss
+
+
+def _nonnegative_error(name: str, value) -> Exception | None:
+    """torch's (and mlbench's) check of a hyperparameter that must be a number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        return ValueError(f"Invalid {name} value: {value!r}")
+    return None
 
 
 def _sparsifier_error(kind: str, k) -> Exception | None:

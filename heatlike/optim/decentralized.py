@@ -20,7 +20,7 @@ from ..core.agreement import raise_together
 from ..core.communication import IN_PLACE, MPICommunication, sanitize_comm
 from ..core.topology import NeighborGraph
 from ..engine.codecs import Codec, codec_error
-from ..engine.paramsync import ParameterSync
+from ..engine.paramsync import ParameterSync, weights_codec_error
 from ..engine.reducers import Gossip
 from ..engine.replicas import broadcast_module
 from .centralized import _check_lr
@@ -52,6 +52,12 @@ class DecentralizedSGD(WrappedOptimizer):
     Metropolis-Hastings (default) or uniform mixing. ``sync_initial`` (default True) starts all
     ranks from rank 0's weights. Rank 0 may have neighbors like any other rank.
 
+    ``codec``: none (the weights travel as float32), or a cast to bfloat16 / float16
+    (``"bf16"``, ``"fp16"``), which sends each rank's change since its last mix, never its
+    weights, and keeps this rank's own term at full precision (CHOCO-gossip with step 1:
+    :mod:`heatlike.engine.paramsync`); other codecs raise ValueError on every rank. The first
+    step mixes the weights exactly.
+
     A ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`) whose
     ``param_groups``, ``state`` and ``defaults`` are the local torch SGD's; ``state_dict()`` is
     torch's with the gossip's state under ``"engine"``; ``add_param_group`` accepts only model
@@ -79,6 +85,8 @@ class DecentralizedSGD(WrappedOptimizer):
                                "average_world=False is not supported")
         if error is None:
             codec, error = codec_error(codec)
+        if error is None:
+            error = weights_codec_error(codec, mixes=True)
         raise_together(error, comm)
         self._owns_graph = graph is None
         if graph is None:

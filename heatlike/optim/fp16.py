@@ -7,12 +7,13 @@ hand it to :meth:`set_optimizer`). One step:
 1. :meth:`backward_loss` runs backward on ``loss * scale``; the float16 gradients are summed over
    the ranks by the engine during backward (the communication layer accumulates half types in
    float32) and divided by the world size (``average_world``) or left summed (``average_custom``
-   divides by the ``denom`` given to :meth:`step`; neither: the sum);
+   divides by the ``denom`` given to :meth:`step`, which must be the same on every rank;
+   neither: the sum);
 2. :meth:`step` copies them into the float32 master gradient ``fp32_params.grad``, divides it by
-   ``scale * multiplier`` (and ``denom``), clips it
-   to ``grad_clip``; if the gradient norm is not finite on *any* rank, every rank skips the step
-   and divides the scale by ``scale_factor`` (below ``min_scale``: RuntimeError); otherwise the
-   inner optimizer steps, the float16 weights are refreshed from the float32 ones, and after
+   ``scale * multiplier`` (and ``denom``), clips it to ``grad_clip`` (> 0); if the gradient
+   norm is not finite on *any* rank, every rank skips the step and divides the scale by
+   ``scale_factor`` (at or below ``min_scale``: RuntimeError); otherwise the inner optimizer
+   steps, the float16 weights are refreshed from the float32 ones, and after
    ``scale_window`` clean steps the scale grows by ``scale_factor`` (up to ``max_scale``).
 
 ``scale`` is the one :meth:`backward_loss` applied since the last step, 1 when the loss went
@@ -42,7 +43,7 @@ from ..engine.gradsync import GradientSync
 from ..engine.hooks import on_gradient, remove_when_dropped
 from ..engine.reducers import AllReduce, Hierarchical
 from ..engine.replicas import broadcast_module
-from .centralized import world_size_error
+from .centralized import agreed_denom, world_size_error
 from .wrapping import WrappedOptimizer, materialized_group, synchronized_check, track
 
 __all__ = ["FP16Optimizer"]
@@ -71,6 +72,9 @@ class FP16Optimizer(WrappedOptimizer):
             error = ValueError("divide_before needs average_world or average_custom")
         if error is None and not (init_scale > 0 and scale_factor > 1 and scale_window >= 1):
             error = ValueError("need init_scale > 0, scale_factor > 1 and scale_window >= 1")
+        if error is None and (isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float))
+                              or not grad_clip > 0):  # a negative bound would flip the gradient
+            error = ValueError(f"grad_clip must be positive, got {grad_clip!r}")
         raise_together(error, comm)
         self.comm = comm
         self.world_size = world_size
@@ -209,9 +213,7 @@ class FP16Optimizer(WrappedOptimizer):
         if self.optimizer is None:
             raise RuntimeError("call set_optimizer() first")
         if self.average_custom:
-            raise_together(None if denom is not None and float(denom) > 0 else
-                           ValueError("average_custom needs a positive denom in step()"),
-                           self.comm)
+            denom = agreed_denom(denom, self.comm)
         self.sync.participate()
         self.sync.synchronize()
         if not self._master_ready:  # nobody read param_groups since backward: copy now
@@ -233,8 +235,8 @@ class FP16Optimizer(WrappedOptimizer):
                 self.loss_scale /= self.scale_factor
                 self.since_backoff = 0
             track(tracker, "opt_step")
-            if self.loss_scale < self.min_scale:
-                raise RuntimeError(f"loss scale {self.loss_scale} fell below min_scale "
+            if self.loss_scale <= self.min_scale:  # mlbench's test: at min_scale, stop
+                raise RuntimeError(f"loss scale {self.loss_scale} reached min_scale "
                                    f"{self.min_scale}: the gradients keep overflowing")
             return False
         if self.grad_clip != float("inf") and norm > self.grad_clip:
