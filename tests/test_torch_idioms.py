@@ -577,3 +577,41 @@ def test_converting_one_layer_after_wrapping_names_it(comm):
     with pytest.raises(RuntimeError, match=r"'fc1\.(weight|bias)' was converted after its "
                                            r"gradient bucket was planned .*torch.float64"):
         model(torch.randn(4, 6)).sum().backward()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+@pytest.mark.parametrize("codec", ["topk", "powersgd"])
+def test_grad_scaler_with_an_error_feedback_codec_trains_the_unscaled_model(comm, blocking,
+                                                                             codec):
+    """DataParallel with a codec that keeps residuals (top-k, PowerSGD) under a GradScaler whose
+    scale doubles at every step: the residuals follow the scale, so the model is the one trained
+    without a scaler (it was 1.5e-2 off: residuals of one scale added to gradients of another)."""
+    from heatlike.engine import PowerSGD, TopK
+
+    def run(scaler):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                    blocking=blocking)
+        model = DataParallel(net, comm, optimizer=opt,
+                             codec=TopK(ratio=0.1) if codec == "topk" else PowerSGD(rank=1))
+        for step in range(6):
+            g = torch.Generator().manual_seed(10 * step + comm.rank)
+            x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        model.flush()
+        return [p.detach().clone() for p in net.parameters()]
+
+    plain = run(None)
+    scaled = run(torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1))
+    for a, b in zip(scaled, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -414,6 +414,8 @@ class DataParallel(torch.nn.Module):
         return type(result)(missing, result.unexpected_keys)
 
     def get_extra_state(self) -> dict:
+        if self.optimizer is not None:
+            self.optimizer._settle_scales()
         return {"engine": self.grad_sync.state_dict()}
 
     def set_extra_state(self, state: dict) -> None:

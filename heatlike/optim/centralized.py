@@ -36,22 +36,21 @@ between ``backward()`` and ``step()`` clips the average.
 
 from __future__ import annotations
 
-import sys
-import weakref
-
 import torch
 from torch.optim.optimizer import required
 
 from ..core.agreement import gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
-from ..engine.codecs import Codec, all_finite, codec_error, label_memory, rescale_memory
+from ..engine.codecs import Codec, all_finite, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
 from ..engine.replicas import broadcast_module, no_trainable_parameters
 from .wrapping import (
+    LossScaleTracker,
     WrappedOptimizer,
     amp_skip,
+    driving_grad_scaler,
     materialized_group,
     synchronized_check,
     track,
@@ -122,70 +121,6 @@ def agreed_denom(denom, comm: MPICommunication) -> float:
                          "the ranks during backward and the sum is divided by one denominator; "
                          "pass the same denom on every rank (e.g. the count over all ranks)")
     return value
-
-
-def driving_grad_scaler() -> torch.amp.GradScaler | None:
-    """The ``torch.amp.GradScaler`` whose ``step()`` (or ``unscale_``-then-``step``) is calling
-    the optimizer step running now, found on the call stack; None without one."""
-    frame = sys._getframe(1)
-    for _ in range(24):
-        if frame is None:
-            return None
-        code = frame.f_code
-        if code.co_name in ("step", "_maybe_opt_step") and "self" in code.co_varnames:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, torch.amp.GradScaler):
-                return candidate
-        frame = frame.f_back
-    return None
-
-
-def current_loss_scale(scaler: torch.amp.GradScaler | None) -> float:
-    """The scale ``scaler`` multiplies losses by now (1 without an enabled scaler)."""
-    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
-        return 1.0
-    return float(scaler._scale)
-
-
-class LossScaleTracker:
-    """Keeps a stateful codec's error-feedback memory in the units of the gradients it is given
-    when ``torch.amp.GradScaler`` scales them (gradient mode: the gradients are exchanged during
-    backward, scaled).
-
-    A residual made from gradients at scale s holds s e; the next exchange, at scale s' (the
-    scaler grows the scale after ``growth_interval`` clean steps and backs it off after an
-    overflow), must add s' e. At each step the optimizer finds the scaler driving it
-    (:func:`driving_grad_scaler`), labels the residuals just made with the scale of this step's
-    gradients (:func:`~heatlike.engine.codecs.label_memory`), and gives the codec the scaler's
-    scale as its :attr:`~heatlike.engine.codecs.Codec.loss_scale`: before the next exchange
-    the residuals are multiplied by s' / s (:func:`~heatlike.engine.codecs.rescale_memory`).
-    So the model is that of the run without a scaler (power-of-two scales: exactly).
-    """
-
-    def __init__(self, codec: Codec) -> None:
-        self.codec = codec
-        self.scaler: weakref.ref | None = None
-
-    def step(self, scaler: torch.amp.GradScaler | None) -> None:
-        """At a step whose gradients ``scaler`` scaled (None: unscaled)."""
-        if scaler is None and self.scaler is None:
-            return  # no scaler so far: the residuals are in the gradients' own units
-        label_memory(self.codec.states, current_loss_scale(scaler))
-        if scaler is None:
-            self.scaler, self.codec.loss_scale = None, None
-        elif self.scaler is None or self.scaler() is not scaler:
-            ref = self.scaler = weakref.ref(scaler)
-            self.codec.loss_scale = lambda: current_loss_scale(ref())
-
-    def settle(self) -> None:
-        """Bring every residual to the scaler's current scale (before the state is saved: a
-        resumed optimizer's first exchange, before it has met its scaler, then adds residuals
-        in the units of the saved scaler's next gradients)."""
-        source = self.codec.loss_scale
-        if source is not None:
-            scale = source()
-            for state in self.codec.states.values():
-                rescale_memory(state, scale)
 
 
 def _check_lr(lr) -> Exception | None:

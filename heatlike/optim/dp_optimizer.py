@@ -43,7 +43,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .wrapping import WrappedOptimizer, unsynchronized_grads
+from .wrapping import (
+    LossScaleTracker,
+    WrappedOptimizer,
+    driving_grad_scaler,
+    unsynchronized_grads,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..nn.data_parallel import DataParallel
@@ -70,6 +75,8 @@ class DataParallelOptimizer(WrappedOptimizer):
         self._pending: list[int] = []  # buckets stepped by step() but not yet applied
         self._hyperparams: list[dict] | None = None
         self._zero_request: bool | None = None  # set_to_none of a deferred zero_grad
+        # a codec with error feedback: its residuals follow GradScaler's scale (set at _attach)
+        self._scales: LossScaleTracker | None = None
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
@@ -121,6 +128,13 @@ class DataParallelOptimizer(WrappedOptimizer):
 
     def _attach(self, model: DataParallel) -> None:
         self._model = model
+        if model.grad_sync.codec.stateful:
+            self._scales = LossScaleTracker(model.grad_sync.codec)
+
+    def _settle_scales(self) -> None:
+        """Before the engine's state is saved: the residuals at the scaler's current scale."""
+        if self._scales is not None:
+            self._scales.settle()
 
     def _require_model(self) -> DataParallel:
         if self._model is None:
@@ -162,6 +176,8 @@ class DataParallelOptimizer(WrappedOptimizer):
                 "computed (non-blocking DataParallelOptimizer), e.g. by clip_grad_norm_: call "
                 "optimizer.synchronize() before touching .grad, or use blocking=True")
         sync.participate()
+        if self._scales is not None:  # the residuals just made are at the driving scaler's scale
+            self._scales.step(driving_grad_scaler())
         if self.blocking:
             sync.synchronize()
             return self.optimizer.step(closure)
