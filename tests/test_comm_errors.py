@@ -141,7 +141,8 @@ def test_freeing_a_communicator_frees_its_board(comm):
 @pytest.mark.mpi(min_size=2)
 def test_check_mode_compares_the_counts_every_rank_must_pass_alike(comm):
     """Check mode: ``Allgatherv``'s receive counts and ``Reduce_scatter``'s ``recvcounts`` that
-    differ on one rank raise ValueError on every rank (they gave wrong data silently); a
+    differ on one rank, and ``Alltoallv`` send counts that differ from what their receivers
+    expect, raise ValueError on every rank (they gave wrong or truncated data silently); a
     placeholder send buffer off the root of ``Scatter`` (ignored there) is no mismatch."""
     from heatlike.core import checks
 
@@ -157,6 +158,12 @@ def test_check_mode_compares_the_counts_every_rank_must_pass_alike(comm):
         counts = [1] + [2] * (P - 2) + [3] if r == 1 else [2] * P
         with pytest.raises(ValueError, match="Reduce_scatter.*counts with checksum"):
             comm.Reduce_scatter(torch.ones(2 * P), torch.zeros(counts[r]), counts, MPI.SUM)
+        sent = [2] * P if r == 0 else [1] * P  # rank 0 sends 2 where each expects 1
+        with pytest.raises(ValueError, match="rank 0 sends 2 slice.* to rank 0, which expects 1"):
+            comm.Alltoallv((torch.zeros(sum(sent)), sent), (torch.zeros(P), [1] * P))
+        got = torch.zeros(P)
+        comm.Alltoallv((torch.full((P,), float(r)), [1] * P), (got, [1] * P))
+        assert got.tolist() == [float(s) for s in range(P)]
         whole = torch.arange(2.0 * P) if r == 0 else torch.empty(0)
         out = torch.zeros(2)
         comm.Scatter(whole, out, root=0)

@@ -569,6 +569,36 @@ class Board:
                 raise ValueError(f"ranks call different collectives: rank 0 calls "
                                  f"{describe(rows[0])} but rank {r} calls {describe(row)}")
 
+    def check_pairs(self, sent: list[int] | None, expected: list[int] | None,
+                    what: str) -> None:
+        """Collective: raise ValueError on every rank unless the count each rank sends to rank j
+        (``sent[j]``) is the count rank j expects from it (its ``expected[i]``): the counts of a
+        v-form exchange that only pairs of ranks share. None: not known on this rank (skipped
+        there)."""
+        size = self.size
+        mine = np.full(size, -1, dtype=np.int64) if sent is None else \
+            np.asarray(sent, dtype=np.int64)
+        got = np.empty(size, dtype=np.int64)
+        request = self.channel.Ialltoall([mine, MPI.INT64_T], [got, MPI.INT64_T])
+        wait(request, lambda: "the collective-consistency check", self, self.seq,
+             watch=lambda: self.verify(lambda: "the collective-consistency check",
+                                       any_ended=True, current=False))
+        first = np.array([-1, -1, -1], dtype=np.int64)  # (sender, its count, this rank's)
+        if expected is not None:
+            for source in range(size):
+                if got[source] >= 0 and got[source] != int(expected[source]):
+                    first[:] = (source, got[source], int(expected[source]))
+                    break
+        everyone = np.empty(3 * size, dtype=np.int64)
+        request = self.channel.Iallgather([first, MPI.INT64_T], [everyone, MPI.INT64_T])
+        wait(request, lambda: "the collective-consistency check", self, self.seq,
+             watch=lambda: self.verify(lambda: "the collective-consistency check",
+                                       any_ended=True, current=False))
+        for receiver, (source, count, wanted) in enumerate(everyone.reshape(size, 3)):
+            if source >= 0:
+                raise ValueError(f"{what}: rank {source} sends {count} slice(s) to rank "
+                                 f"{receiver}, which expects {wanted} from it")
+
     def release(self, what: str) -> None:
         """Collective (where all ranks free the communicator): free the board's window and
         channels, once every rank has arrived (a barrier on the channel, waited for like a

@@ -544,6 +544,8 @@ def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, b
                 board.verify(lambda: label)
             if _checks.checking():
                 board.check(_signature(self, gen, name, args, kwargs))
+                if name == "Alltoallv":
+                    board.check_pairs(*_exchange_counts(self, gen, args, kwargs), label)
     op = direct(self, *args) if direct is not None else None
     if op is None:
         op = gen(self, *args, blocking=False, **kwargs)
@@ -620,6 +622,28 @@ def _signature(self: MPICommunication, gen, name: str, args: tuple, kwargs: dict
     return (_checks.opcode(name), op.py2f() if isinstance(op, MPI.Op) else 0,
             root if name in ("Bcast", "Reduce", "Gather", "Gatherv", "Scatter", "Scatterv")
             else -1, dtype, count, _digest(counts))
+
+
+def _exchange_counts(self: MPICommunication, gen, args: tuple,
+                     kwargs: dict) -> tuple[list[int] | None, list[int] | None]:
+    """``Alltoallv``'s send and receive counts where the call names them (``(array, counts,
+    ...)``; an ``IN_PLACE`` send takes the receive layout), None where it does not (equal
+    blocks) or they cannot be read (the call itself then raises the clear error)."""
+    bound = inspect.signature(gen).bind(self, *args, blocking=False, **kwargs)
+    a = bound.arguments
+
+    def counts(buf) -> list[int] | None:
+        if not isinstance(buf, (tuple, list)) or len(buf) < 2:
+            return None
+        try:
+            values = [int(c) for c in np.ravel(np.asarray(buf[1]))]
+        except (TypeError, ValueError):
+            return None
+        return values if len(values) == self.size else None
+
+    received = counts(a.get("recvbuf"))
+    sendbuf = a.get("sendbuf")
+    return (received if sendbuf is IN_PLACE else counts(sendbuf)), received
 
 
 def _digest(lists) -> int:
