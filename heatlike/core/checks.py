@@ -491,7 +491,8 @@ class Board:
         rows = self.read(patience=0.25)
         behind = [(r, row) for r, row in enumerate(rows) if row is None or row[SEQ] < seq]
         if not behind:
-            return "every rank has entered it (it may be waiting on the interconnect)"
+            return ("every rank has reached it: a rank may have refused its own arguments there "
+                    "(its error is in its output), or the transfer waits on the interconnect")
         parts = []
         for r, row in behind:
             if row is None:
