@@ -4,6 +4,7 @@ state; SINGA's bugs fixed; SINGA's RMSProp / AdaGrad formulas."""
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -266,3 +267,133 @@ def test_a_parameter_group_it_was_not_built_with_is_refused(comm):
     dist.add_param_group({"params": [frozen], "lr": 0.0})  # never trained: accepted
     assert len(dist.param_groups) == 2
 
+
+
+def _sparse_reference(x, acc, spars, topK):
+    """What one rank sends of ``x + acc`` and what it keeps (SINGA's sparsification)."""
+    total = x + acc
+    if topK:
+        keep = torch.zeros_like(total, dtype=torch.bool)
+        keep[total.abs().topk(math.ceil(spars * total.numel())).indices] = True
+    else:
+        keep = total.abs() >= spars
+    return torch.where(keep, total, 0.0), torch.where(keep, 0.0, total)
+
+
+@pytest.mark.parametrize("topK,spars", [(True, 0.25), (False, 1.5)], ids=["topk", "threshold"])
+def test_pending_sparsifications_of_one_size_keep_their_own_residuals(comm, topK, spars):
+    """Two same-size sparsifications pending together: each accumulation receives its own
+    tensor's residual (before: both calls shared one state, and the first accumulation received
+    the second's); results equal those of calls completed one at a time, bitwise."""
+    dist = DistOpt(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), comm)
+
+    def inputs(r):
+        return ((torch.arange(8.0) + 1 + r) * torch.tensor([1.0, -1] * 4),
+                -(torch.arange(8.0) + 1 + r) * 10, torch.full((8,), 0.5), torch.full((8,), 7.0))
+
+    t1, t2, acc1, acc2 = inputs(comm.rank)
+    dist.sparsification(t1, acc1, spars, topK)
+    dist.sparsification(t2, acc2, spars, topK)
+    dist.wait()
+    sums = [torch.zeros(8), torch.zeros(8)]
+    for r in range(comm.size):
+        x1, x2, a1, a2 = inputs(r)
+        sums[0] += _sparse_reference(x1, a1, spars, topK)[0]
+        sums[1] += _sparse_reference(x2, a2, spars, topK)[0]
+    x1, x2, a1, a2 = inputs(comm.rank)
+    torch.testing.assert_close(acc1, _sparse_reference(x1, a1, spars, topK)[1])
+    torch.testing.assert_close(acc2, _sparse_reference(x2, a2, spars, topK)[1])
+    torch.testing.assert_close(t1, sums[0])
+    torch.testing.assert_close(t2, sums[1])
+    for x, acc, got, kept in ((x1, a1, t1, acc1), (x2, a2, t2, acc2)):  # one at a time
+        dist.sparsification(x, acc, spars, topK)
+        dist.wait()
+        assert torch.equal(x, got) and torch.equal(acc, kept)
+
+
+def test_step_refuses_gradients_it_did_not_synchronize(comm):
+    """step() applies only gradients a backward_* call averaged or update() staged: after a
+    plain backward (fresh or accumulated onto averaged gradients), and under GradScaler, it
+    raises on every rank (before: each rank stepped with its own gradients). update() + step()
+    with summed gradients equals one process on the combined batch."""
+    P, r = comm.size, comm.rank
+    net, ref = _net(), _net()
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = _data(0, P * B)
+    mine = slice(r * B, (r + 1) * B)
+    nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+    with pytest.raises(RuntimeError, match="backward_and_update"):
+        dist.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    dist.zero_grad()
+    scaler.scale(nn.functional.cross_entropy(net(x[mine]), y[mine])).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(dist)
+    dist.backward_and_update(nn.functional.cross_entropy(net(x[mine]), y[mine]))
+    ref_opt.zero_grad()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+    nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()  # onto the averaged ones
+    with pytest.raises(RuntimeError, match="update"):
+        dist.step()
+    dist.zero_grad()
+    nn.functional.cross_entropy(net(x[mine]), y[mine]).backward()
+    grads = [p.grad.clone() * B for p in net.parameters()]  # sums over this rank's samples
+    for g in grads:
+        dist.all_reduce(g)
+    dist.wait()
+    for p, g in zip(net.parameters(), grads):
+        dist.update(p, g / B)  # update divides by the world size: the mean over P * B
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)  # in place, allowed
+    dist.step()
+    ref_opt.zero_grad()
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_opt.step()
+    torch.testing.assert_close(_flat(net), _flat(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_internal_steps_run_hooks_and_count_for_schedulers(comm):
+    """Every backward_* call steps through DistOpt.step: step hooks run, and an LR scheduler
+    does not warn that it stepped before the optimizer (before: the local optimizer was stepped
+    directly)."""
+    net = _net()
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    calls = []
+    dist.register_step_pre_hook(lambda *_: calls.append("pre"))
+    dist.register_step_post_hook(lambda *_: calls.append("post"))
+    sched = torch.optim.lr_scheduler.StepLR(dist, 1, 0.5)
+    x, y = _data(comm.rank, B)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dist.backward_and_update(nn.functional.cross_entropy(net(x), y), threshold=100)
+        sched.step()
+        dist.backward_and_sparse_update(nn.functional.cross_entropy(net(x), y), threshold=100)
+        dist.backward_and_partial_update(nn.functional.cross_entropy(net(x), y), threshold=100)
+    assert calls == ["pre", "post"] * 3
+    assert dist.param_groups[0]["lr"] == 0.05
+
+
+def test_loading_a_checkpoint_resets_the_modes_it_lacks(comm):
+    """Loading the state taken before any step into a trained DistOpt repeats a fresh run
+    exactly (before: the residuals and cycle counters of modes absent from the checkpoint
+    were kept)."""
+    P, r = comm.size, comm.rank
+
+    def train(net, dist):
+        for step in range(2):
+            x, y = _data(step, P * B)
+            loss = nn.functional.cross_entropy(net(x[r * B:(r + 1) * B]), y[r * B:(r + 1) * B])
+            dist.backward_and_sparse_update(loss, threshold=64, spars=0.2, topK=True)
+
+    fresh = _net()
+    train(fresh, DistOpt(torch.optim.SGD(fresh.parameters(), lr=0.1), comm))
+    net = _net()
+    dist = DistOpt(torch.optim.SGD(net.parameters(), lr=0.1), comm)
+    state, weights = copy.deepcopy(dist.state_dict()), copy.deepcopy(net.state_dict())
+    train(net, dist)
+    net.load_state_dict(weights)
+    dist.load_state_dict(state)
+    train(net, dist)
+    assert torch.equal(_flat(net), _flat(fresh))

@@ -30,6 +30,7 @@ counter are part of :meth:`state_dict` (``get_states`` / ``set_states``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -62,8 +63,24 @@ class DistOpt(WrappedOptimizer):
     (default: the world); ``buffSize`` the largest fused buffer, in elements.
     Attributes: ``world_size``, ``local_rank`` (rank on this node), ``global_rank``.
     A ``torch.optim.Optimizer`` whose ``param_groups``/``state``/``defaults`` are ``opt``'s
-    (:class:`~heatlike.optim.wrapping.WrappedOptimizer`): torch LR schedulers work on it.
+    (:class:`~heatlike.optim.wrapping.WrappedOptimizer`): torch LR schedulers work on it, and
+    step pre/post hooks registered on it run at every step, the internal ones included.
+
+    DistOpt trains through its ``backward_*`` calls (or the low-level sums followed by
+    :meth:`update` and :meth:`step`). :meth:`step` applies only gradients that a ``backward_*``
+    call averaged or :meth:`update` staged: after a plain ``loss.backward()`` every parameter's
+    gradient is this rank's own, and :meth:`step` raises RuntimeError instead of letting the
+    replicas drift apart. ``torch.amp.GradScaler`` cannot drive it (``scaler.step(opt)`` raises
+    RuntimeError on every rank).
+
+    Construction is collective and copies rank 0's parameter values to every rank (equal
+    replicas). To resume from per-rank weights (partial mode keeps different replicas between
+    cycles), build DistOpt first, then load the model's state, then the optimizer's.
     """
+
+    #: ``torch.amp.GradScaler`` then calls :meth:`step` on every rank with ``found_inf`` set,
+    #: whatever the ranks found, so that every rank refuses it alike
+    _step_supports_amp_scaling = True
 
     def __init__(self, opt: torch.optim.Optimizer, comm: MPICommunication | None = None,
                  buffSize: int = 4194304) -> None:
@@ -91,17 +108,73 @@ class DistOpt(WrappedOptimizer):
         self._pending: list[tuple[Request, object]] = []
         self._staged: list[torch.Tensor] = []
         self._saved_sync_states: dict = {}
+        self._fresh_states: dict = {}  # each synchronizer's state when it was built
         self._lanes: dict = {}
+        # id(param) -> (weak reference to the gradient a backward_* call averaged or update()
+        # staged, its version counter then, or None where in-place changes are allowed)
+        self._applicable: dict = {}
 
     # -- the local optimizer ---------------------------------------------------------------------
 
     def update(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """Stage ``grad / world_size`` as ``param``'s gradient; :meth:`step` applies it (SINGA
-        updated per parameter; torch optimizers step all parameters at once)."""
+        updated per parameter; torch optimizers step all parameters at once). ``grad`` is
+        expected to be the sum over the ranks (e.g. from :meth:`all_reduce` and :meth:`wait`);
+        the staged gradient may be changed in place (clipping) before :meth:`step`."""
         param.grad = grad / self.world_size
+        self._applicable[id(param)] = (weakref.ref(param.grad), None)
+
+    def _mark_applicable(self) -> None:
+        """Record the current gradients as the ones a ``backward_*`` call produced: unchanged,
+        :meth:`step` may apply them."""
+        self._applicable = {id(p): (weakref.ref(p.grad), p.grad._version)
+                            for p in self.params if p.grad is not None}
+
+    def _foreign_grads(self) -> int:
+        """How many parameters hold a gradient that no ``backward_*`` call produced and
+        :meth:`update` did not stage (or that changed in place since a ``backward_*`` call)."""
+        count = 0
+        for p in self.params:
+            if p.grad is None:
+                continue
+            ref, version = self._applicable.get(id(p), (None, None))
+            if ref is None or ref() is not p.grad or (
+                    version is not None and p.grad._version != version):
+                count += 1
+        return count
 
     def step(self, closure=None):
-        return self.opt.step(closure)
+        """Apply the gradients of the last ``backward_*`` call, or those staged by
+        :meth:`update`, with the local optimizer (the ``backward_*`` calls step through here,
+        so step hooks and LR schedulers see every step). Local: no communication.
+
+        RuntimeError (on every rank that holds them) where a parameter's gradient was neither
+        averaged by a ``backward_*`` call nor staged by :meth:`update`, e.g. after a plain
+        ``loss.backward()``: each rank would step with its own gradients and the replicas would
+        drift apart. RuntimeError when ``torch.amp.GradScaler`` drives the step (every rank
+        calls it) or a closure is given (it would compute unsynchronized gradients)."""
+        if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+            # set by GradScaler.step, which deletes them only after a step that returns
+            self.__dict__.pop("found_inf", None)
+            self.__dict__.pop("grad_scale", None)
+            raise RuntimeError(
+                "torch.amp.GradScaler cannot drive DistOpt: its gradients come from a plain "
+                "backward of the scaled loss, which DistOpt does not synchronize. Train with "
+                "DistOpt's backward_* calls on an unscaled loss (bfloat16 autocast needs no loss "
+                "scaling; backward_and_update_half sends float16 without overflow)")
+        if closure is not None:
+            raise RuntimeError("DistOpt.step() takes no closure: the gradients it computes "
+                               "would not be synchronized; use the backward_* calls")
+        foreign = self._foreign_grads()
+        if foreign:
+            raise RuntimeError(
+                f"DistOpt.step(): {foreign} parameter(s) hold gradients that no backward_* call "
+                "averaged and update() did not stage (e.g. from a plain loss.backward()); a step "
+                "would apply each rank's own gradients and the replicas would drift apart. "
+                "Call backward_and_update(loss) (or another backward_* call, which also steps) "
+                "instead of loss.backward() and step(), or sum the gradients with "
+                "all_reduce()/wait() and stage them with update(param, grad) before step()")
+        return self.opt.step()
 
     def __call__(self, loss: torch.Tensor) -> None:
         self.backward_and_update(loss)
@@ -127,12 +200,14 @@ class DistOpt(WrappedOptimizer):
             self._lanes[key] = lane
         return lane
 
-    def _start(self, lane: Lane, values: torch.Tensor, key, finish=None) -> None:
+    def _start(self, lane: Lane, values: torch.Tensor, key, finish=None,
+               state: dict | None = None) -> None:
         raise_together(None if values.is_contiguous() else ValueError(
             "DistOpt communicates contiguous tensors in place; pass tensor.contiguous() and "
             "use the result"), self.comm)
+        # a private state per call: two pending calls of one key must not share a residual
         ctx = Context(key=key, shapes=[values.shape], size=self.comm.size, rank=self.comm.rank,
-                      state=lane.codec.state_for(key))
+                      state={} if state is None else state)
         self._pending.append((lane.start(values, ctx), finish))
 
     def _check_size(self, n: int, what: str) -> None:
@@ -206,7 +281,7 @@ class DistOpt(WrappedOptimizer):
     def _sparse(self, flat, accumulation, spars, topK, key, then=None) -> None:
         raise_together(_sparsity_error(spars, topK), self.comm)
         lane = self._lane("sparse", spars=float(spars), topK=topK, corr=accumulation is not None)
-        state = lane.codec.state_for(key)
+        state: dict = {}  # this call's own: its residual goes back to its own accumulation
         if accumulation is not None:
             if accumulation.numel() != flat.numel():
                 raise_together(ValueError(f"accumulation has {accumulation.numel()} elements, "
@@ -219,7 +294,7 @@ class DistOpt(WrappedOptimizer):
             if then is not None:
                 then()
 
-        self._start(lane, flat, key, finish)
+        self._start(lane, flat, key, finish, state)
 
     def wait(self) -> None:
         """Complete every communication started by the low-level calls."""
@@ -269,6 +344,7 @@ class DistOpt(WrappedOptimizer):
                                 inplace=False, cap_numel=threshold)
             sync.enabled = False
             self._syncs[key] = sync
+            self._fresh_states[key] = sync.state_dict()
             saved = self._saved_sync_states.pop(repr(key), None)
             if saved is not None:
                 sync.load_state_dict(saved)
@@ -293,7 +369,8 @@ class DistOpt(WrappedOptimizer):
         if sync is not None:
             sync.participate()
             sync.synchronize()
-        self.opt.step()
+        self._mark_applicable()
+        self.step()
 
     def backward_and_update(self, loss: torch.Tensor, threshold: int = 2097152) -> None:
         """Backward, average the gradients (fused below ``threshold`` elements), step."""
@@ -326,6 +403,7 @@ class DistOpt(WrappedOptimizer):
             partitions = ParameterSync(list(reversed(self.params)), self.comm,
                                        cap_numel=threshold)
             self._partitions[threshold] = partitions
+            self._fresh_states[("partition", threshold)] = partitions.state_dict()
         self._backward(loss, None)
         partitions.synchronize(buckets=[self.partial % len(partitions.buckets)])
         self.partial = (self.partial + 1) % len(partitions.buckets)
@@ -338,12 +416,17 @@ class DistOpt(WrappedOptimizer):
                 "syncs": {repr(k): s.state_dict() for k, s in self._syncs.items()}}
 
     def _load_engine_state(self, state: dict) -> None:
+        """Restore :meth:`_engine_state`. A mode already used here whose state the checkpoint
+        lacks (it was not used before the checkpoint) goes back to its state when built
+        (no residuals, first cycle), as do the partitions of partial mode, so that training from
+        a loaded checkpoint repeats the steps that followed it."""
         self.partial = int(state["partial"])
         self._saved_sync_states = dict(state["syncs"])  # modes not used yet get theirs later
         for key, sync in self._syncs.items():
             saved = self._saved_sync_states.pop(repr(key), None)
-            if saved is not None:
-                sync.load_state_dict(saved)
+            sync.load_state_dict(saved if saved is not None else self._fresh_states[key])
+        for threshold, partitions in self._partitions.items():
+            partitions.load_state_dict(self._fresh_states[("partition", threshold)])
 
     def get_states(self) -> dict:
         """SINGA's name for :meth:`state_dict`."""
