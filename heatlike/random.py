@@ -360,6 +360,14 @@ def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),
     dt = torch.int64 if dtype is None else canonical_dtype(dtype)
     if dt.is_floating_point or dt.is_complex or dt is torch.bool:
         raise ValueError(f"dtype must be an integer type, got {dt}")
+    info = torch.iinfo(dt)
+    if low < info.min:
+        raise ValueError(f"low is out of bounds for {dt} ({low} < {info.min})")
+    if high - 1 > info.max:
+        raise ValueError(f"high is out of bounds for {dt} ({high} > {info.max} + 1)")
+    if high - low >= 2 ** 63:
+        raise ValueError(f"randint draws from ranges of fewer than 2**63 integers, got "
+                         f"[{low}, {high})")
     words, meta = _generate(_size((size,)), split, 1, "u64", device, comm)
     values = _top(words[:, 0], 63).remainder_(high - low).add_(low)
     return _wrap(values, dt, meta)

@@ -155,3 +155,25 @@ def test_concatenate_and_stack():
     raises_everywhere(ValueError, lambda: hl.concatenate([a, a], axis=2), "out of bounds")
     raises_everywhere(TypeError, lambda: hl.concatenate(a), "sequence")
     raises_everywhere(ValueError, lambda: hl.stack([a, hl.zeros((3, 2))]), "same shape")
+
+
+def test_split_with_negative_indices_is_numpys():
+    """Negative split indices count from the end, as in numpy (a[0:-2] was cut to a[0:0])."""
+    g = global_array(4, (7, 2))
+    for what, x in layouts(g):
+        for indices in ([-2], [3, -1], [-5, 6], [2, -6]):
+            parts, expected = hl.split(x, indices), np.split(g, indices)
+            assert len(parts) == len(expected), (what, indices)
+            for p, e in zip(parts, expected):
+                assert_matches(p, e, f"{what} split {indices}")
+
+
+def test_clip_by_bounds_that_broadcast_along_the_split_axis():
+    """A bound with more rows than x along x's split axis: the result takes the broadcast
+    shape with a consistent layout (it kept x's one-row layout and left rows uninitialised)."""
+    g = global_array(5, (1, 5))
+    low = np.zeros((4, 5))
+    for what, x in layouts(g):
+        assert_matches(hl.clip(x, low, 3.0), np.clip(g, low, 3.0), f"{what}", gather=True)
+        assert_matches(hl.clip(x, hl.array(low, split=0), 3.0), np.clip(g, low, 3.0),
+                       f"{what}, a split bound", gather=True)

@@ -165,3 +165,19 @@ def test_set_state_leaves_torch_alone():
     raises_everywhere(ValueError, lambda: hr.set_state(("Mersenne", 1, 0)), "Mersenne")
     raises_everywhere(ValueError, lambda: hr.set_state(("PCG64DXSM", 1, -1)), "counter")
     raises_everywhere(TypeError, lambda: hr.set_state(5), "tuple")
+
+
+def test_randint_refuses_bounds_its_dtype_or_range_cannot_hold():
+    """numpy's rule: bounds outside the dtype raise (int8 values wrapped around to negatives);
+    ranges of 2**63 integers or more raise (the modulus overflowed: values outside the range)."""
+    raises_everywhere(ValueError, lambda: hr.randint(0, 1000, size=(4,), dtype=hl.int8),
+                      "high is out of bounds")
+    raises_everywhere(ValueError, lambda: hr.randint(-200, 5, size=(4,), dtype=hl.int8),
+                      "low is out of bounds")
+    raises_everywhere(ValueError, lambda: hr.randint(-2 ** 62, 2 ** 62, size=(4,)),
+                      "fewer than 2**63")
+    x = hr.randint(-128, 128, size=(64,), dtype=hl.int8, split=0)
+    values = x.numpy()
+    assert values.dtype == np.int8 and values.min() >= -128 and values.max() <= 127
+    big = hr.randint(-2 ** 62, 2 ** 62 - 1, size=(64,), split=0).numpy()
+    assert big.min() >= -2 ** 62 and big.max() < 2 ** 62 - 1

@@ -592,7 +592,8 @@ def clip(x: DNDarray, min: object = None, max: object = None,  # noqa: A002
     if not isinstance(x, DNDarray):
         x = _as_replicated(x)
     bounds = [b for b in (min, max) if b is not None]
-    al = align([x, *bounds], leader=x if x.split is not None else None)
+    # align chooses the layout (x's where its split axis is not broadcast by a bound)
+    al = align([x, *bounds])
     if al is None:
         raise TypeError("clip: bounds must be scalars or arrays")
     args = al.scalars_as_tensors()

@@ -245,7 +245,7 @@ def split(x: DNDarray, indices_or_sections: object, axis: int = 0) -> list[DNDar
     out = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         key = [slice(None)] * x.ndim
-        key[ax] = slice(lo, builtins.max(lo, hi))
+        key[ax] = slice(lo, hi)  # numpy's a[lo:hi]: negative ends count from the end
         out.append(x[tuple(key)])
     return out
 
