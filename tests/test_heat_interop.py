@@ -79,6 +79,31 @@ def test_numpy_and_torch_functions_dispatch_to_heatlike():
     still_in_step()
 
 
+def test_numpy_functions_keep_numpys_arguments_or_are_not_taken():
+    """numpy's positional order and defaults where heatlike's namesake orders them otherwise
+    (``np.sum(x, 0, np.float64)``: the dtype went to keepdims; ``np.take`` without an axis takes
+    from the flattened array); functions whose heatlike namesake means something else
+    (``np.histogram``: Heat's gives the counts only) and those outside numpy's top level
+    (``np.linalg.diagonal``: other axes) raise numpy's TypeError instead of a wrong result."""
+    g = global_array(3, (4, 3))
+    for what, x in layouts(g):
+        assert_matches(np.sum(x, 0, np.float64), np.sum(g, 0, np.float64), f"{what} sum",
+                       gather=True)
+        assert_matches(np.max(x, 1, None, True), np.max(g, 1, None, True), f"{what} max",
+                       gather=True)
+        assert_matches(np.var(x, 0, None, None, 1), np.var(g, 0, None, None, 1), f"{what} var",
+                       gather=True)
+        assert_matches(np.take(x, [1, 5]), np.take(g, [1, 5]), f"{what} take", gather=True)
+        assert_matches(np.take(x, [2, 0], axis=1), np.take(g, [2, 0], axis=1), f"{what} take",
+                       gather=True)
+        raises_everywhere(TypeError, lambda x=x: np.histogram(x, bins=3),
+                          "no implementation found")
+        raises_everywhere(TypeError, lambda x=x: np.linalg.diagonal(x),
+                          "no implementation found")
+        raises_everywhere(TypeError, lambda x=x: np.sum(x, where=np.ones(3, bool)),
+                          "no implementation found")
+
+
 def test_equal_is_one_bool_and_eq_is_elementwise():
     g = global_array(4, (5, 3))
     for what, x in layouts(g):

@@ -21,6 +21,8 @@ These are the same collective operations as the heatlike functions: every rank c
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 __all__ = ["UFUNCS", "array_ufunc", "array_function", "torch_function"]
@@ -125,14 +127,68 @@ def _np_unique(ar, return_index=False, return_inverse=False, return_counts=False
     return _heatlike().unique(ar, sorted=True, return_inverse=return_inverse, axis=axis)
 
 
+_NO_VALUE = getattr(np, "_NoValue", None)  # numpy's marker of an argument not passed
+
+
+def _given(value: object) -> bool:
+    return value is not None and value is not _NO_VALUE
+
+
+def _np_reduction(name: str, dtype: bool = True, ddof: bool = False):
+    """numpy's ``name(a, axis, [dtype,] out, [ddof,] keepdims, ...)``, positional order
+    included, on heatlike's ``name(x, axis, keepdims=, ...)`` (numpy's positional dtype landed
+    in heatlike's keepdims); ``initial``, ``where`` and arguments heatlike's lacks: not
+    implemented here (numpy then raises TypeError)."""
+    def call(a, axis=None, *args, **kwargs):
+        names = (["dtype"] if dtype else []) + ["out"] + (["ddof"] if ddof else []) + \
+            ["keepdims"]
+        if len(args) > len(names) or set(names[:len(args)]) & set(kwargs):
+            return NotImplemented
+        kwargs.update(zip(names, args))
+        if any(_given(kwargs.pop(k, None)) for k in ("initial", "where", "mean",
+                                                      "correction")):
+            return NotImplemented
+        fn = getattr(_heatlike(), name)
+        accepted = inspect.signature(fn).parameters
+        given = {k: v for k, v in kwargs.items() if _given(v) and not
+                 (k == "keepdims" and v is False) and not (k == "ddof" and v == 0)}
+        if any(k not in accepted for k in given):
+            return NotImplemented
+        return fn(a, axis, **given)
+    return call
+
+
+def _np_take(a, indices, axis=None, out=None, mode="raise"):
+    if out is not None or mode != "raise":
+        return NotImplemented
+    if axis is None:  # numpy takes from the flattened array
+        a, axis = _heatlike().flatten(a), 0
+    return _heatlike().take(a, indices, axis=axis)
+
+
+def _np_not_here(*_args, **_kwargs):
+    return NotImplemented
+
+
 #: numpy functions whose heatlike namesake takes Heat's arguments: numpy's meaning, kept
 _NUMPY_CALLS = {"sort": _np_sort, "cumsum": _np_cumulative("cumsum"),
                 "cumprod": _np_cumulative("cumprod"), "percentile": _np_percentile,
-                "median": _np_median, "unique": _np_unique}
+                "median": _np_median, "unique": _np_unique,
+                "sum": _np_reduction("sum"), "prod": _np_reduction("prod"),
+                "mean": _np_reduction("mean"),
+                "var": _np_reduction("var", ddof=True), "std": _np_reduction("std", ddof=True),
+                "min": _np_reduction("min", dtype=False), "max": _np_reduction("max", dtype=False),
+                "any": _np_reduction("any", dtype=False), "all": _np_reduction("all", dtype=False),
+                "take": _np_take,
+                # Heat's histogram returns the counts only, numpy's (counts, edges)
+                "histogram": _np_not_here}
 
 
 def array_function(func: object, types: tuple, args: tuple, kwargs: dict) -> object:
-    """``DNDarray.__array_function__`` (module docstring)."""
+    """``DNDarray.__array_function__`` (module docstring). Only numpy's own top-level functions
+    are taken (``np.linalg.diagonal`` is not ``heatlike.diagonal``)."""
+    if getattr(func, "__module__", None) != "numpy":
+        return NotImplemented
     call = _NUMPY_CALLS.get(getattr(func, "__name__", ""))
     if call is not None:
         try:
