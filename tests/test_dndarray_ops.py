@@ -240,6 +240,12 @@ def test_reduction_dtypes_and_values():
         assert_matches(x.mean(axis=0), gi.mean(axis=0), what)
         assert x.mean().dtype is torch.float64  # int32 mean: float64 (the dtype rule)
         assert_matches(x.sum(dtype=hl.float64), gi.sum(), what)
+        # an integer dtype is the accumulator and result type, as numpy's (was int64)
+        for dt, nd in ((hl.int32, np.int32), (hl.int16, np.int16)):
+            assert_matches(x.sum(axis=0, dtype=dt), gi.sum(axis=0, dtype=nd),
+                           f"{what} sum dtype {nd}", dtype=nd)
+            assert_matches(x.prod(axis=1, dtype=dt), gi.prod(axis=1, dtype=nd),
+                           f"{what} prod dtype {nd}", dtype=nd)
     for what, x in layouts(gb):
         assert_matches(x.all(axis=0), gb.all(axis=0), what)
         assert_matches(x.any(axis=1), gb.any(axis=1), what)

@@ -165,6 +165,13 @@ def _accumulating(x: DNDarray, dtype: object) -> DNDarray:
     return x
 
 
+def _as_dtype(result: DNDarray, dtype: object) -> DNDarray:
+    """A sum or product in the ``dtype`` asked for (numpy's result type): an integer one
+    accumulated in int64 is the same modulo its width (numpy's wrap-around), a boolean one is
+    whether it is non-zero (numpy's logical or / and)."""
+    return result if dtype is None else result.astype(canonical_dtype(dtype), copy=False)
+
+
 _ROW_BLOCK = 64  # rows summed one after the other before their partial sums are summed
 # below any of these torch's own sum is as fast or faster
 _ROWS_MIN, _ROW_BYTES_MIN, _BYTES_MIN = 256, 4096, 2 << 20
@@ -212,15 +219,16 @@ def sum(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = 
         out: DNDarray | None = None) -> DNDarray:
     """Sum over ``axis`` (all by default); ``dtype`` converts the input first."""
     x = _accumulating(_check(x, "sum"), dtype)
-    return _out(_reduce(x, axis, keepdims, _local_sum, MPI.SUM, "add"), out, "sum")
+    return _out(_as_dtype(_reduce(x, axis, keepdims, _local_sum, MPI.SUM, "add"), dtype), out,
+                "sum")
 
 
 def prod(x: DNDarray, axis: Axis = None, keepdims: bool = False, dtype: object = None,
          out: DNDarray | None = None) -> DNDarray:
     """Product over ``axis`` (all by default)."""
     x = _accumulating(_check(x, "prod"), dtype)
-    return _out(_reduce(x, axis, keepdims, _loop(torch.prod), MPI.PROD, "multiply"), out,
-                "prod")
+    return _out(_as_dtype(_reduce(x, axis, keepdims, _loop(torch.prod), MPI.PROD, "multiply"),
+                          dtype), out, "prod")
 
 
 def _count(x: DNDarray, axis: Axis) -> int:
