@@ -121,6 +121,8 @@ def test_counting_histograms_and_buckets():
             assert_matches(ht.bucketize(x, torch.from_numpy(bins), right=right),
                            torch.bucketize(torch.from_numpy(gf), torch.from_numpy(bins),
                                            right=right).numpy(), what)
+    raises_everywhere(ValueError, lambda: ht.digitize(ht.arange(3.0), ht.array([0.0, 2.0, 1.0])),
+                      "monotonically")  # numpy's error (it gave indices of no meaning)
     raises_everywhere(ValueError, lambda: ht.bincount(ht.array([-1, 2])), "negative")
     raises_everywhere(TypeError, lambda: ht.bincount(ht.array([1.5])), "integers")
     raises_everywhere(NotImplementedError, lambda: ht.histogram(ht.ones(3), [1, 2]), "bins")

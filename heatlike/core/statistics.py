@@ -180,8 +180,10 @@ def digitize(x: DNDarray, bins: object, right: bool = False) -> DNDarray:
     ``bins`` (replicated), locally."""
     x = _check(x, "digitize")
     b = _boundaries(bins, "digitize", x.larray.device)
-    if b.numel() > 1 and builtins.bool((b[1:] <= b[:-1]).all()) and \
-            builtins.bool((b[1:] < b[:-1]).any()):
+    rising, falling = builtins.bool((b[1:] >= b[:-1]).all()), builtins.bool((b[1:] <= b[:-1]).all())
+    if not (rising or falling):  # the same bins on every rank: every rank raises
+        raise ValueError("digitize: bins must be monotonically increasing or decreasing")
+    if b.numel() > 1 and falling and builtins.bool((b[1:] < b[:-1]).any()):
         rev = bucketize(x, b.flip(0), right=not right)
         return rev._rewrap(b.numel() - rev.larray)
     return bucketize(x, b, right=not right)
