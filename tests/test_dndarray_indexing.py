@@ -87,6 +87,13 @@ def test_getitem_masks():
                 assert_matches(x[m], expect, f"{shape} {what} numpy mask{k}")
             assert_matches(x[x > 0], g[g > 0], what)
             assert_matches(x[torch.from_numpy(g < 0)], g[g < 0], what)
+            # a mask in a one-element tuple is the mask (numpy's x[(m,)]; it was an IndexError)
+            assert_matches(x[(x > 0,)], g[(g > 0,)], what)
+            y = x.copy()
+            y[(y > 0,)] = -1.0
+            h = g.copy()
+            h[(h > 0,)] = -1.0
+            assert_matches(y, h, f"{what} setitem")
 
 
 def test_setitem_basic():

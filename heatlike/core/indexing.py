@@ -357,9 +357,18 @@ def _basic(x: DNDarray, plan: _Plan) -> DNDarray:
     return DNDarray._make(local, shape, split, counts, comm)
 
 
+def _unwrapped(key: object) -> object:
+    """``x[(k,)]`` is ``x[k]`` in numpy unless ``k`` is itself a tuple (a mask in a tuple, as
+    ``np.nonzero`` style code writes it)."""
+    if isinstance(key, tuple) and len(key) == 1 and not isinstance(key[0], tuple):
+        return key[0]
+    return key
+
+
 def getitem(x: DNDarray, key: object) -> DNDarray:
     """``x[key]`` (module docstring). Results share memory with ``x`` where no data moves, like
     numpy's views."""
+    key = _unwrapped(key)
     if _is_mask(key):
         return _getitem_mask(x, key)
     plan = _Plan(x, _expand(key, x.ndim))
@@ -484,6 +493,7 @@ def setitem(x: DNDarray, key: object, value: object) -> None:
     if not isinstance(value, (*_SCALARS, DNDarray, np.ndarray, np.generic, torch.Tensor, list,
                               tuple)):
         raise TypeError(f"cannot assign a {type(value).__name__} to a DNDarray")
+    key = _unwrapped(key)
     if _is_mask(key):
         _setitem_mask(x, key, value)
         return
