@@ -207,3 +207,28 @@ def raises_on_every_rank(comm, kinds, fn, match: str = "") -> None:
     else:
         raised = 0
     assert comm.allreduce(raised, op=MPI.MIN) == 1
+
+
+def close_daso_objects_built(monkeypatch):
+    """Generator for an autouse fixture: every DASO and DataParallelMultiGPU built until it
+    resumes is closed then (collective over its communicator; each rank closes those it built,
+    in reverse order), freeing its communicators: a dropped one cannot free them, and MPI has
+    room for a couple of thousand per process."""
+    from heatlike.nn import DataParallelMultiGPU
+    from heatlike.optim import DASO
+
+    made = []
+
+    def recorded(cls):
+        build = cls.__init__
+
+        def init(self, *args, **kwargs):
+            build(self, *args, **kwargs)
+            made.append(self)
+        monkeypatch.setattr(cls, "__init__", init)
+
+    recorded(DASO)
+    recorded(DataParallelMultiGPU)
+    yield
+    for obj in reversed(made):
+        obj.close()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import close_daso_objects_built
 from torch import nn
 
 import heatlike as hl
@@ -24,24 +25,7 @@ B = 4
 
 @pytest.fixture(autouse=True)
 def _closed_when_the_test_ends(monkeypatch):
-    """Every DASO and DataParallelMultiGPU a test builds is closed when it ends (collective: all
-    ranks tear down alike), freeing its communicators: a dropped one cannot free them, and MPI
-    has room for a couple of thousand per process."""
-    made = []
-
-    def recorded(cls):
-        build = cls.__init__
-
-        def init(self, *args, **kwargs):
-            build(self, *args, **kwargs)
-            made.append(self)
-        monkeypatch.setattr(cls, "__init__", init)
-
-    recorded(DASO)
-    recorded(DataParallelMultiGPU)
-    yield
-    for obj in reversed(made):
-        obj.close()
+    yield from close_daso_objects_built(monkeypatch)
 
 
 @pytest.fixture(params=[1, 2], ids=["one-rank-per-node", "two-ranks-per-node"])

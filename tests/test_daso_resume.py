@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import close_daso_objects_built
 from mpi4py import MPI
 from torch import nn
 
@@ -29,23 +30,7 @@ DATASET = torch.utils.data.TensorDataset(torch.randn(48, 5, generator=_g),
 
 @pytest.fixture(autouse=True)
 def _closed_when_the_test_ends(monkeypatch):
-    """Every DASO and DataParallelMultiGPU a test builds is closed when it ends (collective over
-    its communicator; each rank closes those it built, in reverse order)."""
-    made = []
-
-    def recorded(cls):
-        build = cls.__init__
-
-        def init(self, *args, **kwargs):
-            build(self, *args, **kwargs)
-            made.append(self)
-        monkeypatch.setattr(cls, "__init__", init)
-
-    recorded(DASO)
-    recorded(DataParallelMultiGPU)
-    yield
-    for obj in reversed(made):
-        obj.close()
+    yield from close_daso_objects_built(monkeypatch)
 
 
 def _layout(monkeypatch, node_ids):

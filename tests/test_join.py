@@ -81,10 +81,8 @@ def test_data_parallel_with_uneven_batches_matches_the_combined_batch(comm, bloc
     assert model.grad_sync.reducer.denom == comm.size  # restored after the join
 
 
-def test_data_parallel_with_a_torch_optimizer_joins(comm):
-    net = _net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    model = DataParallel(net, comm)
+def _train_joined(model, opt, comm) -> None:
+    """This rank's uneven share of the run, inside ``Join([model, opt])``."""
     loss_fn = nn.CrossEntropyLoss()
     with Join([model, opt]):
         for step in range(_steps(comm.rank)):
@@ -92,6 +90,12 @@ def test_data_parallel_with_a_torch_optimizer_joins(comm):
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
+
+
+def test_data_parallel_with_a_torch_optimizer_joins(comm):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    _train_joined(DataParallel(net, comm), opt, comm)
     _check(net, opt, comm)
 
 
@@ -222,20 +226,8 @@ def test_zero_redundancy_optimizer_joins_with_its_model(comm):
     model = DataParallel(net, comm)
     with pytest.raises(ValueError, match="ZeroRedundancyOptimizer .* not among the joinables"):
         Join([model])
-    loss_fn = nn.CrossEntropyLoss()
-    with Join([model, opt]):
-        for step in range(_steps(comm.rank)):
-            x, y = _batch(comm.rank, step)
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()
-            opt.step()
+    _train_joined(model, opt, comm)
     opt.consolidate_state_dict(to=None)
-    full = torch.optim.SGD(_net().parameters(), lr=0.1, momentum=0.9)
+    full = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     full.load_state_dict(opt.state_dict())
-    ref_net, ref_opt = _reference(comm.size)
-    for p, q in zip(net.parameters(), ref_net.parameters()):
-        assert torch.allclose(p, q, **TOL), "parameters"
-    for i, q in enumerate(ref_net.parameters()):
-        mine = full.state_dict()["state"][i]["momentum_buffer"]
-        assert torch.allclose(mine, ref_opt.state[q]["momentum_buffer"], **TOL), "momentum"
-    hl.nn.verify_replicas(net, comm)
+    _check(net, full, comm)
