@@ -171,28 +171,20 @@ class ParameterSync:
     def _start_mix(self, bucket, memory: dict):
         """CHOCO's exchange of one bucket (module docstring): ``q = cast(x - h)`` to the
         neighbors; returns (request, q at full precision, what the neighbors send)."""
-        graph = self.reducer.graph
+        gossip = self.reducer
         public = memory["public"]
         change = torch.sub(bucket.values.to(public.dtype), public)  # the buffer keeps x
         wire = change.to(self.codec.dtype)
-        received = torch.empty(len(graph.neighbors) * wire.numel(), dtype=wire.dtype,
+        received = torch.empty(len(gossip.graph.neighbors) * wire.numel(), dtype=wire.dtype,
                                device=wire.device)
-        if graph.neighbors:
-            request = graph.graph_comm.Ineighbor_allgather(wire, received)
-            self.reducer.bytes_sent += wire.numel() * wire.element_size() * len(graph.neighbors)
-        else:
-            request = None
-        return request, change.copy_(wire), received
+        return gossip.exchange(wire, received), change.copy_(wire), received
 
     def _finish_mix(self, bucket, memory: dict, q: torch.Tensor,
                     received: torch.Tensor) -> None:
         """``h += q; y += W_ii q + sum_j W_ij q_j; x += y - h``."""
-        graph = self.reducer.graph
         public, mixed = memory["public"], memory["mixed"]
-        mixed.add_(q, alpha=graph.self_weight)
-        if graph.neighbors:
-            for w, other in zip(graph.weights, received.view(len(graph.neighbors), -1)):
-                mixed.add_(other.to(mixed.dtype), alpha=w)
+        mixed.add_(q, alpha=self.reducer.graph.self_weight)
+        self.reducer.add_neighbors(mixed, received)
         public.add_(q)
         x = bucket.values.to(mixed.dtype).add_(mixed).sub_(public)
         unpack(x, [t.data for t in bucket.params])

@@ -435,19 +435,31 @@ class Gossip(Reducer):
     def open_channel(self):
         return self.graph.graph_comm.Dup(serial=True)
 
+    def exchange(self, t: torch.Tensor, received: torch.Tensor, channel=None) -> Request | None:
+        """Start sending ``t`` to every neighbor and receiving each neighbor's ``t`` into the
+        rows of ``received`` (degree x ``t.numel()``); None without neighbors."""
+        degree = len(self.graph.neighbors)
+        if not degree:
+            return None
+        self.bytes_sent += _nbytes(t) * degree
+        return (channel or self.graph.graph_comm).Ineighbor_allgather(t, received)
+
+    def add_neighbors(self, into: torch.Tensor, received: torch.Tensor) -> None:
+        """``into += sum_j W_ij x_j`` over the rows ``x_j`` of ``received`` (:meth:`exchange`)."""
+        degree = len(self.graph.neighbors)
+        for w, x in zip(self.graph.weights, received.view(degree, -1) if degree else ()):
+            into.add_(x.to(into.dtype), alpha=w)
+
     def combine(self, t: torch.Tensor, channel=None):
-        graph = self.graph
-        neighbors = graph.neighbors
-        if not neighbors:  # a single rank: nothing to mix
+        degree = len(self.graph.neighbors)
+        if not degree:  # a single rank: nothing to mix
             return
-        self.bytes_sent += _nbytes(t) * len(neighbors)
         # degree x the model, kept for the next mix (heatlike.core.buffer_pool)
-        raw = buffer_pool.take(len(neighbors) * _nbytes(t), t.device)
+        raw = buffer_pool.take(degree * _nbytes(t), t.device)
         received = raw.view(t.dtype)
-        yield (channel or graph.graph_comm).Ineighbor_allgather(t, received)
-        t.mul_(graph.self_weight)
-        for w, x in zip(graph.weights, received.view(len(neighbors), -1)):
-            t.add_(x, alpha=w)
+        yield self.exchange(t, received, channel)
+        t.mul_(self.graph.self_weight)
+        self.add_neighbors(t, received)
         buffer_pool.give(raw)
 
     def gather(self, tensors, variable=False, channel=None):
