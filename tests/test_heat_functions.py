@@ -272,6 +272,13 @@ def test_sort_topk_unique():
                 assert_matches(v, ev, f"sort {ax} {desc} {what}")
                 assert_matches(ht.array(np.take_along_axis(g, i.numpy(), axis=ax)), ev, what)
                 assert v.split == x.split and i.split == x.split
+                assert v.counts == x.counts and i.counts == x.counts, (what, ax)  # layout kept
+            if ax != 1:
+                flat = x.flatten() if x.split in (None, 0) else None
+                if flat is not None:
+                    fv, fi = ht.sort(flat)
+                    assert fv.counts == flat.counts == fi.counts, what
+                    assert_matches(fv, np.sort(g.reshape(-1)), what)
             vals, idx = ht.topk(x, 3, dim=ax)
             srt = -np.sort(-g, axis=ax)
             assert_matches(vals, np.take(srt, range(3), axis=ax), f"topk {ax} {what}")

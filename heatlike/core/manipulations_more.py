@@ -72,14 +72,16 @@ def _gathered(x: DNDarray) -> torch.Tensor:
     return x.larray if x.split is None else x.resplit(None).larray
 
 
-def _scatter(t: torch.Tensor, split: int | None, like: DNDarray) -> DNDarray:
+def _scatter(t: torch.Tensor, split: int | None, like: DNDarray,
+             counts: tuple[int, ...] | None = None) -> DNDarray:
     """A DNDarray of the whole tensor ``t`` (the same on every rank) with each rank keeping its
-    balanced part along ``split`` (no communication)."""
+    part along ``split``: ``counts`` per rank, balanced by default (no communication)."""
     comm = like.comm
     if split is None or t.ndim == 0:
         return DNDarray._make(t, tuple(t.shape), None, None, comm)
     split = split % t.ndim
-    counts = distribution.balanced_counts(t.shape[split], comm.size)
+    if counts is None:
+        counts = distribution.balanced_counts(t.shape[split], comm.size)
     lo, hi = distribution.ranges(counts)[comm.rank]
     local = t.narrow(split, lo, hi - lo).clone()
     return DNDarray._make(local, tuple(t.shape), split, counts, comm)
@@ -546,11 +548,13 @@ def sort(a: DNDarray, axis: int = -1, descending: bool = False, out: DNDarray | 
                                                              stable=True))
     v = work._rewrap(vals)
     i = work._rewrap(idx)
-    if work is not a:
+    if work is not a:  # back to a's split axis and counts
         if a.split is None or a.ndim == 1:
-            v, i = _scatter(vals, a.split, a), _scatter(idx, a.split, a)
+            v, i = _scatter(vals, a.split, a, a.counts), _scatter(idx, a.split, a, a.counts)
         else:
             v, i = resplit(v, a.split), resplit(i, a.split)
+            v.redistribute_(a.counts)
+            i.redistribute_(a.counts)
     if out is not None:
         _check_out(out)
         _store(v, out, True, "sort")
