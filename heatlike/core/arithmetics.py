@@ -700,7 +700,8 @@ def _cum(x: DNDarray, axis: object, dtype: object, out: DNDarray | None, name: s
         before = ends[:comm.rank]
         if comm.rank and local.numel():
             offset = before.sum(0) if op == MPI.SUM else before.prod(0)
-            local = local + offset if op == MPI.SUM else local * offset
+            # torch promotes bool and small integer totals to int64: back to the result's dtype
+            local = (local + offset if op == MPI.SUM else local * offset).to(local.dtype)
     res = x._rewrap(local)
     return _store(res, out, True, name)
 
