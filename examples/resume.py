@@ -4,14 +4,15 @@ every few steps; started again, it continues from the last complete checkpoint e
     mpiexec -n 4 python -m heatlike examples/resume.py --algorithm powersgd-2 \\
         --checkpoint digits.ckpt --save-every 20
 
-Run it, stop it (``--stop-after N`` stops after step N as a preempted job would, or kill it),
-run the same command again: it prints where it resumed and ends with the same parameters
-(``final parameters sha256``) as a run that was never interrupted. Under SLURM this is the
-payload of ``scripts/slurm/requeue.sbatch``: the job requeues itself before its time limit and
-the next run resumes. ``--device auto`` (the default) trains on each rank's GPU (its local
-rank's) when every rank has one, else on the CPU. ``--algorithm`` takes every algorithm of
-``heatlike.recipes`` (DataParallel, DASO, the mlbench and SINGA optimizers; listed below).
-"""
+Run it, stop it (``--stop-after N`` stops after step N as a preempted job would; SIGUSR1 or
+SIGTERM to the launcher makes every rank save after the same step and exit with status 75; or
+kill it), run the same command again: it prints where it resumed and ends with the same
+parameters (``final parameters sha256``) as a run that was never interrupted. Under SLURM this
+is the payload of ``scripts/slurm/requeue.sbatch``: warned before its time limit, the job saves,
+requeues itself and the next run resumes. ``--device auto`` (the default) trains on each rank's
+GPU (its local rank's) when every rank has one, else on the CPU. ``--algorithm`` takes every
+algorithm of ``heatlike.recipes`` (DataParallel, DASO, the mlbench and SINGA optimizers; listed
+below)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 import textwrap
 from pathlib import Path
 
@@ -26,7 +28,13 @@ import torch
 
 import heatlike as hl
 from heatlike.recipes import ALGORITHMS, evaluate, load_digits_split, make_runner, mlp
-from heatlike.utils import DEVICE_CHOICES, checkpoint, configure_threads, select_device
+from heatlike.utils import (
+    DEVICE_CHOICES,
+    StopOnSignal,
+    checkpoint,
+    configure_threads,
+    select_device,
+)
 from heatlike.utils.data import DataLoader, Dataset
 
 
@@ -92,24 +100,33 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint.save(args.checkpoint, runner.model, runner.optimizer, loader=loader,
                         step=step, epoch_losses=losses)
 
-    while loader.epoch < args.epochs:
-        runner.start_epoch(len(loader))
-        for xb, yb in loader:
-            losses.append(runner.train_step(xb.to(device), yb.to(device)))
-            step += 1
-            if args.kill_at and step == args.kill_at and comm.rank == comm.size - 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.save_every and step % args.save_every == 0:
-                save()
-            if step == args.stop_after:
-                save()
-                if comm.rank == 0:
-                    print(f"stopped after step {step}; checkpoint in {args.checkpoint}")
-                return
-        runner.end_epoch(sum(losses) / len(losses))
-        if comm.rank == 0:
-            print(f"epoch {loader.epoch}/{args.epochs} done at step {step}", flush=True)
-        losses = []
+    # SIGUSR1 / SIGTERM (a scheduler's warning) on any rank: every rank saves after the same step
+    with StopOnSignal(comm) as stop:
+        while loader.epoch < args.epochs:
+            runner.start_epoch(len(loader))
+            for xb, yb in loader:
+                losses.append(runner.train_step(xb.to(device), yb.to(device)))
+                step += 1
+                if args.kill_at and step == args.kill_at and comm.rank == comm.size - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if args.save_every and step % args.save_every == 0:
+                    save()
+                if step == args.stop_after:
+                    save()
+                    if comm.rank == 0:
+                        print(f"stopped after step {step}; checkpoint in {args.checkpoint}")
+                    return
+                if stop():
+                    save()
+                    if comm.rank == 0:
+                        print(f"{stop.signal}: saved after step {step} in {args.checkpoint}; "
+                              f"run again to continue (exit status {stop.EXIT_STATUS})",
+                              flush=True)
+                    sys.exit(stop.EXIT_STATUS)
+            runner.end_epoch(sum(losses) / len(losses))
+            if comm.rank == 0:
+                print(f"epoch {loader.epoch}/{args.epochs} done at step {step}", flush=True)
+            losses = []
     save()
     accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
     digest = parameters_digest(net, comm)

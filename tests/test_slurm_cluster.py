@@ -152,9 +152,11 @@ def test_daso_script_finds_the_two_nodes(slurm, tmp_path):
 
 def test_requeue_script_requeues_through_slurm_and_resumes(slurm, tmp_path):
     """The first run gets SIGUSR1 (as ``--signal=B:USR1@120`` sends it before the time limit)
-    once it has a checkpoint: it calls ``scontrol requeue``, SLURM starts the same job again,
-    the second run resumes from the checkpoint; a second SIGUSR1 after MAX_RESTARTS=1 is
-    declined and the run trains to the end."""
+    once it has a checkpoint: the batch shell passes it on to srun, which passes it to the ranks
+    on both nodes; they save after an agreed step and exit with status 75; the script calls
+    ``scontrol requeue``, SLURM starts the same job again, the second run resumes from the step
+    saved on the signal; a second SIGUSR1 after MAX_RESTARTS=1 is declined and the run trains to
+    the end."""
     job = slurm.submit(SCRIPTS / "requeue.sbatch", SHORT,
                        env=_env(EPOCHS="40", SAVE_EVERY="10", MAX_RESTARTS="1"), cwd=tmp_path)
     checkpoint = tmp_path / "checkpoints" / f"resume-{job}.ckpt"
@@ -180,8 +182,10 @@ def test_requeue_script_requeues_through_slurm_and_resumes(slurm, tmp_path):
     out = result.output
     assert result.restarts == 1, out
     assert f"job {job}: requeued" in out and "run 2, resuming from" in out, out
+    saved = re.search(r"SIGUSR1: saved after step (\d+) in \S+; run again", out)
     resumed = re.search(r"resumed from \S+ at step (\d+)", out)
-    assert resumed and int(resumed.group(1)) >= 10, out
+    assert saved and resumed and resumed.group(1) == saved.group(1), out
+    assert int(resumed.group(1)) >= 10, out
     assert "not requeueing: MAX_RESTARTS=1 reached" in out, out
     tail = out.split("not requeueing")[-1]
     assert "epoch 40/40 done" in tail and "final parameters sha256" in tail, out

@@ -256,8 +256,10 @@ def _requeue_with_usr1_at_checkpoint(cwd: Path, env: dict[str, str],
 
 def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     """SIGUSR1 to the batch shell (SLURM's --signal=B:USR1) once a checkpoint exists: the trap
-    calls `scontrol requeue <job id>` (a stub here) and stops the step; the same command run again
-    (the requeued job) resumes from the checkpoint and finishes."""
+    passes it on to the step, whose ranks save after an agreed step and exit with status 75; the
+    script calls `scontrol requeue <job id>` (a stub here); the same command run again (the
+    requeued job) resumes from the step saved on the signal, not from the last periodic save,
+    and finishes."""
     stub_dir = tmp_path / "bin"
     stub_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
@@ -273,11 +275,13 @@ def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     assert calls.read_text() == "requeue 4242\n", out
     assert "job 4242: requeued" in out and "starting afresh" in out, out
     assert "final parameters sha256" not in out, "the step was not stopped:\n" + out
+    saved = re.search(r"SIGUSR1: saved after step (\d+) in \S+; run again", out)
+    assert saved and int(saved.group(1)) >= 5, out
 
     out = _run("requeue.sbatch", tmp_path, env)
     assert "resuming from checkpoints/resume-4242.ckpt" in out, out
     resumed = re.search(r"resumed from \S+ at step (\d+)", out)
-    assert resumed and int(resumed.group(1)) >= 5, out
+    assert resumed and resumed.group(1) == saved.group(1), out
     assert "epoch 4/4 done" in out and "final parameters sha256" in out, out
     assert calls.read_text() == "requeue 4242\n", "requeued again without a signal"
 
