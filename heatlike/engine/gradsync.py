@@ -325,6 +325,9 @@ class GradientSync:
         remove_when_dropped(self, self._hooks)
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
+        # each cycle is a training step on the communicator's step board; heatlike.nn.Join
+        # counts a DataParallel model's steps per iteration instead (several models may train)
+        self.posts_steps = True
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
         weakref.finalize(self, _complete_all, self._requests)
@@ -389,7 +392,8 @@ class GradientSync:
         if self.on_begin is not None:
             self.on_begin()
         self._cycles += 1
-        self._board.post()
+        if self.posts_steps:
+            self._board.post()
         self._wait_flags()  # a cycle ended without its last bucket unpacked (an error)
         if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()

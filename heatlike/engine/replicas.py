@@ -133,6 +133,52 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
         unpack(flat, group)
 
 
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: MPICommunication,
+                              root: int = 0) -> None:
+    """Collective: give ``optimizer`` the state and parameter-group settings ``root``'s has (its
+    ``state_dict()``). Where every rank's state has the same structure (keys, shapes, dtypes),
+    the tensors are broadcast in place and the rest (steps kept as numbers, the groups'
+    settings) as one Python object; otherwise ``root``'s whole state dict is sent."""
+    mine = optimizer.state_dict()
+
+    def structure(tree) -> object:
+        if isinstance(tree, torch.Tensor):
+            return ("tensor", tuple(tree.shape), str(tree.dtype), str(tree.device))
+        if isinstance(tree, dict):
+            return tuple((k, structure(v)) for k, v in tree.items())
+        if isinstance(tree, (list, tuple)):
+            return tuple(structure(v) for v in tree)
+        return type(tree).__name__
+
+    shapes = structure(mine["state"])
+    same = len(set(comm.allgather(hashlib.sha256(repr(shapes).encode()).hexdigest()))) == 1
+    if not same:
+        optimizer.load_state_dict(comm.bcast(mine if comm.rank == root else None, root=root))
+        return
+    tensors, others = [], []
+
+    def split(tree, path=()):
+        if isinstance(tree, torch.Tensor):
+            tensors.append(tree)
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                split(v, (*path, k))
+        else:
+            others.append((path, tree))
+
+    split(mine["state"])
+    broadcast_tensors(tensors, comm, root)
+    settings = comm.bcast((others, mine["param_groups"]) if comm.rank == root else None,
+                          root=root)
+    for path, value in settings[0]:
+        node = mine["state"]
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+    mine["param_groups"] = settings[1]
+    optimizer.load_state_dict(mine)
+
+
 @torch.no_grad()
 def average_tensors(tensors: list[torch.Tensor], comm: MPICommunication) -> None:
     """Collective: replace every tensor of ``tensors`` (floating point) by its average over the

@@ -256,8 +256,9 @@ class DataParallel(torch.nn.Module):
                                    "averages gradients; build a new one to train")
             self.grad_sync.check_layout("DataParallel")
             self._check_parameters()
+        begins = False  # under Join: whether this forward begins an iteration
         if self._join is not None and self.training:
-            self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled)
+            begins = self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled, self)
         if self.check_finite and self.training:
             bad = [n for n, p in self.module.named_parameters()
                    if not bool(torch.isfinite(p).all())]
@@ -265,7 +266,10 @@ class DataParallel(torch.nn.Module):
                 raise FloatingPointError(f"non-finite parameters {bad[:5]} (check_finite)")
         if not defer:
             self.flush()
-        if self.training and self.sync_buffers is not None and self.comm.size > 1:
+        if self._join is not None and self.training:
+            if begins:  # every joined model's, in an order the ranks out of inputs know
+                self._join.sync_buffers()
+        elif self.training and self.sync_buffers is not None and self.comm.size > 1:
             self._sync_buffers()
 
     def _check_parameters(self) -> None:

@@ -19,6 +19,16 @@ numbers of iterations (torch's ``Join`` semantics):
 * While A < P, gradients are averaged over the A ranks that contributed (the gradient of the
   combined batch of the ranks still training), not over P.
 
+Several DataParallel models trained together (each run forward once per iteration) notify once
+per iteration, from the first forward: :meth:`Join.sync_buffers` then synchronizes every joined
+model's buffers, and a shadow exchanges their gradients in the reverse of their forward order
+(as backward produces them) and steps the torch optimizers once. Shadows step with the averaged
+gradients as the exchange leaves them, so what the loop does between backward and step
+(clipping, a per-iteration scheduler) is not repeated there: after the last iteration the last
+rank's torch optimizer states and settings are broadcast with the parameters. A
+``ZeroRedundancyOptimizer``'s shards cannot be repaired that way; one stepped by a GradScaler
+while a rank has joined raises ``RuntimeError`` on every rank.
+
 ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as soon as one
 rank runs out of inputs. Only the joinables' own collectives are shadowed: other collectives in
 the loop (a metric all-reduce) need the same number of calls on every rank, and a model with a
@@ -46,7 +56,7 @@ from ..core import checks as _checks
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine.reducers import AllReduce
-from ..engine.replicas import broadcast_module
+from ..engine.replicas import broadcast_module, broadcast_optimizer_state
 from .data_parallel import DataParallel
 from .sync_batchnorm import SyncBatchNorm
 
@@ -163,6 +173,8 @@ class Join:
         self.iterations = 0      # iterations this rank ran itself
         self.joined = False
         self.active = comm.size  # ranks still training, from the last notification
+        self._forwarded: list[DataParallel] = []  # run forward since the iteration began
+        self._order = list(self.models)  # the forward order of the last complete iteration
         self._channel: MPI.Intracomm | None = None
 
     # -- the context ---------------------------------------------------------------------------
@@ -175,8 +187,10 @@ class Join:
         # non-blocking duplicate, waited for with the deadline and the boards' ended ranks
         self._channel = _checks.private_duplicate(self.comm, "entering heatlike.nn.Join")
         self.iterations, self.joined, self.active = 0, False, self.comm.size
+        self._forwarded, self._order = [], list(self.models)
         for model in self.models:
             model._join = self
+            model.grad_sync.posts_steps = False
         for opt in self.optimizers:
             opt.sync.on_begin = lambda: self.notify(True)
         _CURRENT.append(self)
@@ -193,6 +207,7 @@ class Join:
             for model in self.models:
                 model._join = None
                 model._buffer_root = 0
+                model.grad_sync.posts_steps = True
             for opt in self.optimizers:
                 opt.sync.on_begin = None
             self._set_denominators(self.comm.size)
@@ -222,20 +237,51 @@ class Join:
                 model._buffer_root = int(highest[0])
         return int(counts[0]), int(counts[1])
 
-    def notify(self, syncing: bool) -> None:
-        """A training rank starts an iteration (called by the joinables' hooks)."""
+    def notify(self, syncing: bool, model: DataParallel | None = None) -> bool:
+        """A training rank starts an iteration (called by the joinables' hooks); True if this
+        call began one. A DataParallel ``model`` begins an iteration with its forward only
+        when no joined model has run forward since the last iteration began, or when ``model``
+        has (several models trained together notify once per iteration, as the rank out of
+        inputs shadows every model once per notification)."""
         if self.joined or self._channel is None:
-            return
+            return False
+        if model is not None:
+            if self._forwarded and not any(m is model for m in self._forwarded):
+                self._forwarded.append(model)
+                return False
+            if len(self._forwarded) > 1:  # the order a shadow exchanges their gradients in
+                self._order = list(self._forwarded)
+            self._forwarded = [model]
         self.iterations += 1
         self.active, _ = self._allreduce(1, int(syncing))
         if self.throw and self.active < self.comm.size:
             raise RuntimeError(f"rank {self.comm.rank}: {self.comm.size - self.active} rank(s) "
                                "ran out of inputs (Join(throw_on_early_termination=True))")
+        if model is not None:
+            self._post_step()
         self._set_denominators(self.active)
+        return True
+
+    def _post_step(self) -> None:
+        """A training step on the step board (``heatlike.engine.liveness``): one per iteration
+        of the DataParallel models, on training ranks and shadows alike, however many models
+        train (their gradient synchronizations do not count it themselves under Join)."""
+        if self.models:
+            self.models[0].grad_sync._board.post()
+
+    def sync_buffers(self) -> None:
+        """Collective: every joined training model's buffer synchronization, in the joinables'
+        order (at the start of each iteration, so that a rank out of inputs can shadow them in
+        the same order whatever order the models run forward in)."""
+        for model in self.models:
+            if model.training and model.sync_buffers is not None and model.comm.size > 1:
+                model._sync_buffers()
 
     def _join(self) -> None:
         """This rank ran out of inputs: shadow the others' iterations until all have joined."""
         self.joined = True
+        if len(self._forwarded) > 1:
+            self._order = list(self._forwarded)
         for model in self.models:
             model.flush()
         while True:
@@ -251,21 +297,23 @@ class Join:
         self._finish()
 
     def _shadow(self, syncing: bool) -> None:
-        for model in self.models:
-            if model.training and model.sync_buffers is not None and model.comm.size > 1:
-                model._sync_buffers()
-            if not syncing:
-                continue
-            sync = model.grad_sync
-            for p in sync.params:
-                p.grad = None
-            if model.optimizer is not None:
-                model.optimizer.step()
-                model.optimizer.flush()
-            else:
-                sync.launch_all()
-                sync.synchronize()
-                for opt in self.torch_optimizers:
+        self._post_step()
+        self.sync_buffers()
+        if syncing:
+            # in the order the others' backward passes produce them: the reverse of the
+            # models' forward order (as this rank ran its own iterations)
+            for model in reversed(self._order):
+                sync = model.grad_sync
+                for p in sync.params:
+                    p.grad = None
+                if model.optimizer is not None:
+                    model.optimizer.step()
+                    model.optimizer.flush()
+                else:
+                    sync.launch_all()
+                    sync.synchronize()
+            if any(model.optimizer is None for model in self.models):
+                for opt in self.torch_optimizers:  # once per iteration, as the others do
                     opt.step()
         for opt in self.optimizers:
             for p in opt.sync.params:
@@ -280,6 +328,19 @@ class Join:
             broadcast_module(model.module, self.comm, root=last)
         for opt in self.optimizers:
             broadcast_module(opt.model, self.comm, root=last)
+        if max(counts) != min(counts):
+            # what the loop did between backward and step (clipping, a GradScaler's unscale or
+            # skip, a scheduler's learning rate) the shadows could not repeat
+            for opt in self._local_optimizers():
+                broadcast_optimizer_state(opt, self.comm, root=last)
+
+    def _local_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state every rank holds whole (not a ZeRO's shards)."""
+        from ..optim.zero import ZeroRedundancyOptimizer
+
+        found = list(self.torch_optimizers)
+        found += [m.optimizer.torch_optimizer for m in self.models if m.optimizer is not None]
+        return [o for o in dict.fromkeys(found) if not isinstance(o, ZeroRedundancyOptimizer)]
 
     def _set_denominators(self, active: int) -> None:
         syncs = [m.grad_sync for m in self.models] + [o.sync for o in self.optimizers]

@@ -74,6 +74,26 @@ def partition(sizes: list[int], ranks: int, totals: list[int] | None = None) -> 
     return owner
 
 
+def _refuse_scaled_shadow(comm) -> None:
+    """RuntimeError (raised on every rank by ``step``'s error exchange) where a GradScaler steps
+    this optimizer inside a ``heatlike.nn.Join`` that a rank has joined: that rank steps its
+    shard in its shadow iterations with the exchanged gradients still scaled, and cannot know
+    which steps the scaler skips."""
+    from ..nn.join import _CURRENT
+    from .wrapping import driving_grad_scaler
+
+    join = _CURRENT[-1] if _CURRENT else None
+    if join is None or join.joined or join.active >= comm.size:
+        return
+    if driving_grad_scaler() is not None:
+        raise RuntimeError(
+            "a GradScaler steps a ZeroRedundancyOptimizer while a rank that ran out of inputs "
+            "stands in under heatlike.nn.Join: that rank steps its shard with the gradients "
+            "still scaled and cannot follow the scaler's skipped steps. Give every rank the "
+            "same number of batches (heatlike.utils.data.DataLoader does), or train without "
+            "the GradScaler (bfloat16 autocast needs none)")
+
+
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """Shard the state of ``optimizer_class(params, **defaults)`` over the ranks of
     ``process_group`` (module docstring). ``process_group``: an
@@ -199,6 +219,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            _refuse_scaled_shadow(self._comm)
             for full, local in zip(self.param_groups, self.optim.param_groups):
                 for k, v in full.items():
                     if k != "params":
