@@ -119,7 +119,8 @@ def main(n: int = 100_000) -> None:
     found = (centroids.numpy().round(1) + 0.0).tolist()  # + 0.0: no "-0.0"
     log.info("%d samples on %d ranks: %d iterations in %.3f s, inertia %.1f", n, comm.size,
              iterations, seconds, inertia)
-    log.info("centroids %s, cluster sizes %s", sorted(found), sizes)
+    clusters = sorted(zip(found, sizes))  # each centroid with its own cluster's size
+    log.info("centroids %s, cluster sizes %s", [c for c, _ in clusters], [m for _, m in clusters])
 
 
 if __name__ == "__main__":

@@ -563,6 +563,10 @@ def test_graph_validation(comm):
         NeighborGraph(comm, [size + 3])
     with pytest.raises(ValueError, match="weights"):
         NeighborGraph(comm, [], weights="random")
+    if size >= 2:  # one mixing rule everywhere (before: a matrix whose columns did not sum to 1)
+        ring = sorted({(r - 1) % size, (r + 1) % size})
+        with pytest.raises(ValueError, match="different weights"):
+            NeighborGraph(comm, ring, weights="uniform" if r == 0 else "metropolis")
     g = NeighborGraph.from_adjacency(comm, [[j for j in range(size) if j != i]
                                             for i in range(size)])
     assert g.neighbors == [j for j in range(size) if j != r]  # rank 0 included like any other

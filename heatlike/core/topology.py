@@ -198,8 +198,13 @@ class NeighborGraph:
         if weights not in ("metropolis", "uniform"):
             error = ValueError(f"weights must be 'metropolis' or 'uniform', got {weights!r}")
         raise_together(error, comm)
-        adjacency = comm.allgather(mine)
-        raise_together(_graph_error(adjacency), comm)
+        answers = comm.allgather((mine, weights))
+        adjacency = [a for a, _ in answers]
+        kinds = [w for _, w in answers]
+        error = _graph_error(adjacency)
+        if error is None and len(set(kinds)) > 1:  # a mixing matrix needs one rule everywhere
+            error = ValueError(f"the ranks chose different weights: {kinds[:8]}")
+        raise_together(error, comm)
         self.comm = comm
         self.adjacency = adjacency
         self.neighbors = mine
