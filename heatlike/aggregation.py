@@ -104,7 +104,8 @@ class Aggregation:
         size alone was another tensor's)."""
         flat = data.view(-1) if data.is_contiguous() else data.reshape(-1)
         state = {} if key is None else self.codec.state_for(("agg", key))
-        ctx = Context(key=("agg", key), shapes=[data.shape], size=self.comm.size,
+        ctx = Context(key=("agg",) if key is None else ("agg", key), shapes=[data.shape],
+                      size=self.comm.size,
                       rank=self.comm.rank, step=self._calls, state=state)
         self._calls += 1
         self._reducer(op, denom)

@@ -591,10 +591,12 @@ def test_variable_gather_and_reducer_validation(comm):
 
 
 def test_fixed_gather_packs_mixed_dtypes_into_one_allgather(comm, monkeypatch):
-    """Several fixed-size tensors (dtypes of 1, 2, 4 and 8 bytes, odd lengths, empty, 0-d) travel
-    as one all-gather and come back per rank with their dtypes, shapes and values."""
+    """Several fixed-size tensors (dtypes of 1, 2, 4, 8 and 16 bytes, odd lengths, empty, 0-d)
+    travel as one all-gather and come back per rank with their dtypes, shapes and values (a
+    complex128 piece after 8 bytes used to fail: pieces were padded to 8 bytes only)."""
     def parts_of(r):
-        return [torch.arange(3, dtype=torch.int32) + r, torch.full((5,), r + 0.5),
+        return [torch.full((2,), r + 0.25), torch.arange(3.0).to(torch.complex128) * (1 + r * 1j),
+                torch.arange(3, dtype=torch.int32) + r, torch.full((5,), r + 0.5),
                 torch.tensor([r % 2 == 0, True, False]), torch.zeros(0),
                 torch.arange(7, dtype=torch.bfloat16) * (r + 1), torch.tensor(float(r)),
                 torch.arange(4, dtype=torch.int64).view(2, 2) - r, torch.ones(3, dtype=torch.uint8)]

@@ -13,7 +13,7 @@ from torch import nn
 import heatlike as hl
 from heatlike import aggregation as agg
 from heatlike import optim
-from heatlike.engine import Cast, TopK
+from heatlike.engine import Cast, RandomK, TopK
 
 pytestmark = pytest.mark.mpi
 B = 4
@@ -509,6 +509,21 @@ def test_one_tensor_aggregation_keeps_memory_per_key(comm):
             torch.zeros(4)
         s._agg(t, "avg", key="w")
     assert t.tolist() == [0.0, 1.0 * (comm.size + 1) / 2, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("make", [lambda c: agg.PowerAggregation(rank=1, comm=c),
+                                  lambda c: agg.Aggregation(comm=c, codec=RandomK(k=5))],
+                         ids=["powersgd", "randomk"])
+def test_one_tensor_aggregation_without_a_key_with_a_random_codec(comm, make):
+    """mlbench's ``_agg(data, op)`` without a key through codecs that draw random numbers
+    (PowerSGD's start, a random selection): the same result on every rank (before: TypeError,
+    a None key could not seed their generators)."""
+    a = make(comm)
+    x = torch.arange(12, dtype=torch.float32).view(3, 4) * (comm.rank + 1)
+    out = a._agg(x, "avg")
+    assert out is x and torch.isfinite(x).all()
+    everyone = comm.allgather(x.clone())
+    assert all(torch.equal(x, other) for other in everyone)
 
 
 def test_bad_input(comm):

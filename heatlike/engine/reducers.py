@@ -147,12 +147,13 @@ class Reducer:
 
     def _gather_packed(self, tensors: list[torch.Tensor], comm):
         """Operation: :meth:`gather` of fixed-size tensors as one all-gather of their bytes (each
-        padded to 8 bytes, so every piece is aligned for its dtype)."""
+        padded to 16 bytes, the largest element size (complex128), so every piece is aligned for
+        its dtype)."""
         pieces, layout = [], []
         for t in tensors:
             self.bytes_sent += _nbytes(t)
             raw = t.contiguous().reshape(-1).view(torch.uint8)
-            pad = -raw.numel() % 8
+            pad = -raw.numel() % 16
             pieces.append(raw if not pad else torch.cat([raw, raw.new_zeros(pad)]))
             layout.append((t.dtype, t.shape, raw.numel(), raw.numel() + pad))
         packed = torch.cat(pieces)
