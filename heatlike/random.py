@@ -322,9 +322,17 @@ random_sample = random
 def uniform(low: float = 0.0, high: float = 1.0, size: int | Sequence[int] = (),
             dtype: object = None, split: int | None = None, device: object = None,
             comm: MPICommunication | None = None) -> DNDarray:
-    """Uniform samples from [low, high)."""
+    """Uniform samples from [low, high): ``low + (high - low) u`` in float64 with ``u`` of
+    :func:`random`, then cast; a value that rounds to ``high`` in the result's dtype becomes the
+    largest one below it."""
     u = random(size, dtype=torch.float64, split=split, device=device, comm=comm)
-    return u._rewrap((u.larray * (high - low) + low).to(_float_dtype(dtype)))
+    dt = _float_dtype(dtype)
+    v = (u.larray * (high - low) + low).to(dt)
+    if high > low:
+        top = torch.tensor(high, dtype=dt, device=v.device)
+        below = torch.nextafter(top, torch.tensor(low, dtype=dt, device=v.device))
+        v = torch.where(v >= top, below, v)
+    return u._rewrap(v)
 
 
 def randn(*shape: int, dtype: object = None, split: int | None = None, device: object = None,

@@ -64,3 +64,14 @@ def test_matmul_errors():
     raises_everywhere(ValueError, lambda: a @ hl.zeros((4, 3), split=0), "mismatch")
     raises_everywhere(ValueError, lambda: a @ hl.zeros(5, split=0), "mismatch")
     raises_everywhere(ValueError, lambda: hl.matmul(a, hl.array(2.0)), "not have enough")
+
+
+def test_dot_is_numpys_for_scalars_and_refuses_more_than_two_dimensions():
+    g = global_array(31, (4, 3))
+    for what, x in layouts(g):
+        assert_matches(hl.dot(hl.array(2.0), x), np.dot(2.0, g), what)
+        assert_matches(hl.dot(x, 3), np.dot(g, 3), what)
+        assert_matches(hl.dot(x, hl.array(g.T.copy())), np.dot(g, g.T), what, rtol=1e-5)
+    stack = hl.array(global_array(32, (2, 3, 4)))
+    # numpy's dot of stacks is not matmul's (shape (2, 3, 2, 5), not (2, 3, 5)): refused
+    raises_everywhere(NotImplementedError, lambda: hl.dot(stack, hl.ones((2, 4, 5))), "matmul")

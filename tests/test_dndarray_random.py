@@ -181,3 +181,14 @@ def test_randint_refuses_bounds_its_dtype_or_range_cannot_hold():
     assert values.dtype == np.int8 and values.min() >= -128 and values.max() <= 127
     big = hr.randint(-2 ** 62, 2 ** 62 - 1, size=(64,), split=0).numpy()
     assert big.min() >= -2 ** 62 and big.max() < 2 ** 62 - 1
+
+
+def test_uniform_never_returns_high_in_a_narrow_dtype():
+    """[low, high) also after the cast: float16 rounded 244 of a million draws up to 1.0."""
+    hr.seed(5)
+    for dtype, n in ((torch.float16, 200_000), (torch.bfloat16, 200_000)):
+        x = hr.uniform(0.0, 1.0, n, dtype=dtype, split=0)
+        assert x.dtype == dtype
+        assert float(x.max().item()) < 1.0 and float(x.min().item()) >= 0.0
+    y = hr.uniform(3.0, 1.0, 1000, dtype=torch.float16)  # numpy's (high, low] when reversed
+    assert float(y.max().item()) <= 3.0 and float(y.min().item()) >= 1.0

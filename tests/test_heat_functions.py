@@ -295,6 +295,13 @@ def test_sort_topk_unique():
         r = ht.unique_inverse(x)
         np.testing.assert_array_equal(r.values.numpy()[r.inverse_indices.numpy()], g)
         assert_matches(ht.unique_values(x), np.unique(g), what)
+    # NaNs merged into one, as numpy's equal_nan=True (were one value each)
+    gn = np.array([1.0, np.nan, 2.0, np.nan, 1.0, np.nan])
+    for split in (None, 0):
+        u, inv = ht.unique(ht.array(gn, split=split), return_inverse=True)
+        eu, einv = np.unique(gn, return_inverse=True)
+        np.testing.assert_array_equal(u.numpy(), eu)
+        np.testing.assert_array_equal(inv.numpy().reshape(-1), einv.reshape(-1))
     raises_everywhere(ValueError, lambda: ht.topk(ht.ones(3), 4), "out of range")
     raises_everywhere(TypeError, lambda: ht.sort(g), "DNDarray")
 

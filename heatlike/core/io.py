@@ -87,6 +87,8 @@ def _slab(shape: tuple[int, ...], split: int | None, comm: MPICommunication
 
 def _wrap(local: np.ndarray, shape: tuple[int, ...], split: int | None, counts, dtype: object,
           device: object, comm: MPICommunication) -> DNDarray:
+    if not local.dtype.isnative:  # a big-endian file on a little-endian machine, or the reverse
+        local = local.astype(local.dtype.newbyteorder("="))
     t = torch.from_numpy(np.require(local, requirements=["C", "W"]))
     t = t.to(device=torch_device(sanitize_device(device)),
              dtype=canonical_dtype(dtype) if dtype is not None else canonical_dtype(local.dtype))
@@ -94,6 +96,15 @@ def _wrap(local: np.ndarray, shape: tuple[int, ...], split: int | None, counts, 
 
 
 # -------------------------------------------------------------------------------------- npy
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    """Write all of ``data``'s bytes at ``offset``: ``os.pwrite`` may write fewer (Linux: at
+    most 2 GiB - 4 KiB per call)."""
+    view = memoryview(data.reshape(-1)).cast("B")
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
 def save_npy(x: DNDarray, path: str | os.PathLike) -> None:
@@ -123,7 +134,7 @@ def save_npy(x: DNDarray, path: str | os.PathLike) -> None:
         fd = os.open(path, os.O_WRONLY)
         try:
             if x.split is None:
-                os.pwrite(fd, memoryview(data.reshape(-1)).cast("B"), offset)
+                _pwrite_all(fd, data, offset)
                 return
             s = x.split
             outer = int(np.prod(x.gshape[:s], dtype=np.int64))
@@ -132,7 +143,7 @@ def save_npy(x: DNDarray, path: str | os.PathLike) -> None:
             lo = x.displs[comm.rank]  # type: ignore[index]
             for i in range(outer):
                 elem = (i * x.gshape[s] + lo) * inner
-                os.pwrite(fd, memoryview(runs[i]).cast("B"), offset + elem * npd.itemsize)
+                _pwrite_all(fd, runs[i], offset + elem * npd.itemsize)
         finally:
             os.close(fd)
 

@@ -185,6 +185,18 @@ def matmul(a: object, b: object) -> DNDarray:
 
 
 def dot(a: object, b: object) -> DNDarray:
-    """numpy's ``dot`` for 1-D and 2-D operands (the matrix product; the inner product of two
-    vectors)."""
+    """numpy's ``dot`` for 0-D, 1-D and 2-D operands: the product with a scalar, the inner
+    product of two vectors, the matrix product. Operands of more dimensions raise
+    NotImplementedError (numpy's rule there is not ``matmul``'s: use :func:`matmul` for
+    stacks of matrices)."""
+    from .arithmetics import multiply
+
+    dims = [x.ndim if isinstance(x, DNDarray) else np.ndim(x) for x in (a, b)]
+    if 0 in dims:
+        return multiply(a, b)
+    if max(dims) > 2:
+        raise NotImplementedError(
+            f"dot of operands with {dims[0]} and {dims[1]} dimensions: numpy's dot sums over "
+            "the last axis of a and the second-to-last of b, which heatlike does not implement; "
+            "use matmul for stacks of matrices")
     return matmul(a, b)

@@ -603,7 +603,7 @@ def unique(a: DNDarray, sorted: bool = False, return_inverse: bool = False,  # n
     a = _check(a, "unique")
     t = _gathered(a)
     if axis is None:
-        res = torch.unique(t, sorted=True, return_inverse=return_inverse)
+        res = _one_nan(torch.unique(t, sorted=True, return_inverse=True), return_inverse)
         split = 0 if a.split == 0 else None
     else:
         ax = _axis_index(axis, a.ndim)
@@ -613,6 +613,19 @@ def unique(a: DNDarray, sorted: bool = False, return_inverse: bool = False,  # n
         values, inv = res
         return _scatter(values, split, a), _scatter(inv, None if axis is None else None, a)
     return _scatter(res, split, a)
+
+
+def _one_nan(res: tuple[torch.Tensor, torch.Tensor], return_inverse: bool) -> object:
+    """torch's sorted unique values (NaNs last, each NaN its own value) with the NaNs merged
+    into one, as numpy's ``equal_nan=True``; the inverse indices of every NaN point at it."""
+    values, inverse = res
+    if values.is_floating_point() or values.is_complex():
+        nan = torch.isnan(values)
+        first = int(nan.to(torch.int8).argmax()) if bool(nan.any()) else values.numel()
+        if values.numel() - first > 1:
+            values = values[:first + 1]
+            inverse = inverse.clamp(max=first)
+    return (values, inverse) if return_inverse else values
 
 
 def unique_inverse(x: DNDarray) -> UniqueInverseResult:
