@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train with this algorithm of heatlike.recipes instead (see "
                         "below), e.g. powersgd-2, topk-1%%, decentralized")
     args = p.parse_args(argv)
+    if args.epochs < 0 or args.batch_size < 1 or not args.lr > 0:
+        p.error("--epochs must be >= 0, --batch-size >= 1 and --lr > 0")
     if args.algorithm and (args.optimizer is not None or args.blocking is not None):
         p.error("--optimizer, --blocking and --non-blocking choose DataParallel's local "
                 f"optimizer and mode; --algorithm {args.algorithm} brings its own (drop them, "

@@ -51,3 +51,12 @@ def test_resume_refuses_negative_counts(comm, option, capsys, tmp_path):
     with pytest.raises(SystemExit):
         _example("resume").main([option, "-1", "--checkpoint", str(tmp_path / "x.ckpt")])
     assert "must be 0 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--epochs", "-1"], ["--batch-size", "0"], ["--lr", "0"]])
+def test_digits_refuses_out_of_range_settings(comm, option, capsys):
+    """(before: --epochs -1 trained nothing and printed a test accuracy of 0.0000 that was never
+    measured)."""
+    with pytest.raises(SystemExit):
+        _example("digits").main(option)
+    assert "--epochs must be >= 0" in capsys.readouterr().err

@@ -193,7 +193,8 @@ def cov(m: DNDarray, y: DNDarray | None = None, rowvar: bool = True, bias: bool 
         ddof: int | None = None) -> DNDarray:
     """numpy's ``cov``: the covariance matrix of the variables in the rows of ``m`` (columns if
     not ``rowvar``), with ``y``'s variables appended. Normalized by ``N - 1`` (``N`` with
-    ``bias``, ``N - ddof`` with ``ddof``)."""
+    ``bias``, ``N - ddof`` with ``ddof``). A single variable's is 0-d, as numpy's (Heat's
+    takes a 1-D ``m`` for one observation of many variables)."""
     m = _check(m, "cov")
     if y is not None:
         y = _check(y, "cov")
@@ -228,7 +229,8 @@ def cov(m: DNDarray, y: DNDarray | None = None, rowvar: bool = True, bias: bool 
 
     xc = x - reductions.mean(x, 1, keepdims=True)
     c = matmul(xc, xc.T) / fact
-    return c.resplit(None) if c.split is not None else c
+    c = c.resplit(None) if c.split is not None else c
+    return c.reshape(()) if c.gshape == (1, 1) else c  # numpy squeezes a single variable's
 
 
 def histc(input: DNDarray, bins: int = 100, min: float = 0, max: float = 0,  # noqa: A002
@@ -385,6 +387,8 @@ def percentile(x: DNDarray, q: object, axis: object = None, out: DNDarray | None
                          f"{interpolation!r}")
     scalar_q = isinstance(q, (int, float, np.number)) and not isinstance(q, bool)
     if isinstance(q, DNDarray):
+        if q.ndim > 1:
+            raise TypeError("percentile: q must be a number or a 1-D sequence of numbers")
         qt = (q.resplit(None) if q.split is not None else q).larray.to(torch.float64).cpu()
         scalar_q = q.ndim == 0
     elif scalar_q:
@@ -399,7 +403,7 @@ def percentile(x: DNDarray, q: object, axis: object = None, out: DNDarray | None
         qt = torch.from_numpy(arr.reshape(-1).copy())
         scalar_q = arr.ndim == 0
     qt = qt.reshape(-1)
-    if builtins.bool(((qt < 0) | (qt > 100)).any()):
+    if not builtins.bool(((qt >= 0) & (qt <= 100)).all()):  # NaN is out of range too
         raise ValueError("percentile: q must lie in [0, 100]")
     axes = normalize_axes(axis, x.ndim)
     keep = [d for d in range(x.ndim) if d not in axes]
