@@ -75,23 +75,52 @@ def mlp(widths: list[int], seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers[:-1])
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
              comm: MPICommunication) -> float:
-    """Accuracy over the whole test set (collective); each rank scores its shard (moved to the
-    model's device and dtype), one all-reduce. A DataParallel model's buffers (BatchNorm
-    statistics) are synchronized first, so that every shard is scored by the same model."""
-    synchronize = getattr(model, "synchronize_buffers", None)
-    if synchronize is not None:
-        synchronize()
-    _, _, shard = comm.chunk(x.shape, 0)
-    xs = x[shard]
-    first = next(model.parameters())
-    scores = model(xs.to(first.device, first.dtype))
-    correct = (scores.argmax(1) == y[shard[0]].to(first.device)).sum().item()
+    """Accuracy over the whole test set (collective: every rank calls it with the same model);
+    each rank scores its shard (moved to the model's device and dtype), one all-reduce.
+
+    The model is scored as a trained model is used: in ``eval()`` mode (BatchNorm's running
+    statistics, no Dropout) under ``torch.no_grad()``. The buffers (BatchNorm statistics) of a
+    DataParallel model, or of a module a DataParallel wraps, are synchronized first
+    (``synchronize_buffers()``), so that every shard is scored by the same model. Afterwards every
+    submodule (the wrapper's included) is back in the training mode it was in: evaluation leaves
+    the parameters, the buffers (beyond that synchronization) and the modes as they were, and no
+    test sample reaches the running statistics."""
+    owners = _buffer_owners(model)
+    for owner in owners:
+        owner.synchronize_buffers()
+    tops = [*owners, model]
+    modes = {id(m): (m, m.training) for top in tops for m in top.modules()}
+    try:
+        for top in tops:
+            top.eval()  # a DataParallel applies its pending updates first
+        _, _, shard = comm.chunk(x.shape, 0)
+        xs = x[shard]
+        first = next(model.parameters())
+        with torch.no_grad():
+            scores = model(xs.to(first.device, first.dtype))
+        correct = (scores.argmax(1) == y[shard[0]].to(first.device)).sum().item()
+    finally:
+        for m, mode in modes.values():
+            m.training = mode
     counts = torch.tensor([correct, xs.shape[0]], dtype=torch.float64)
     comm.Allreduce(IN_PLACE, counts, MPI.SUM)
     return float(counts[0] / counts[1])
+
+
+def _buffer_owners(model: nn.Module) -> list[nn.Module]:
+    """The wrappers whose ``synchronize_buffers()`` :func:`evaluate` calls: ``model`` itself when
+    it has one, and the DataParallel wrappers (not closed) of ``model`` or of a submodule; the
+    same on every rank, since every rank wraps the same modules."""
+    from .nn.data_parallel import _wrappers_of
+
+    found = [model] if callable(getattr(model, "synchronize_buffers", None)) else []
+    for wrapper in _wrappers_of(model):
+        if callable(getattr(wrapper, "synchronize_buffers", None)) and \
+                not any(wrapper is f for f in found):
+            found.append(wrapper)
+    return found
 
 
 class Runner:
@@ -540,10 +569,12 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
                on_epoch: Callable[[EpochPoint, float], None] | None = None,
                progress: bool = False) -> TrainResult:
     """Train ``task``'s model with algorithm ``name`` for ``epochs`` epochs, or until the test
-    accuracy reaches ``target`` (checked after every epoch), on ``device`` (default: the CPU; see
+    accuracy reaches ``target`` (checked after every epoch, with or without ``curve``: every rank
+    evaluates and stops at the same epoch), on ``device`` (default: the CPU; see
     :func:`heatlike.utils.select_device`). With ``curve``, every epoch ends with
     a test evaluation and adds an :class:`EpochPoint` (the time of the evaluation is not counted;
-    epoch times are measured between a barrier and the slowest rank's end). ``on_runner`` is
+    epoch times are measured between a barrier and the slowest rank's end). Evaluations
+    (:func:`evaluate`) leave the model as training left it. ``on_runner`` is
     called with the :class:`Runner` before the first step (to inspect or instrument it);
     ``on_epoch`` (with ``curve``) after each epoch's evaluation, with its point and the mean of
     the epoch's step losses over every rank; ``progress``: a tqdm bar per epoch on rank 0.
@@ -578,16 +609,18 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
             losses.append(runner.train_step(xb, yb))
             times.append(time.perf_counter() - start)
         runner.end_epoch(sum(losses) / len(losses))
-        if not curve:
+        if not curve and target is None:
             continue
-        elapsed += comm.handle.allreduce(time.perf_counter() - epoch_start, op=_MPI.MAX)
+        if curve:
+            elapsed += comm.handle.allreduce(time.perf_counter() - epoch_start, op=_MPI.MAX)
         accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)
-        points.append(EpochPoint(epoch, elapsed, accuracy))
-        if on_epoch is not None:
-            local = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
-            comm.Allreduce(_MPI.IN_PLACE, local, _MPI.SUM)
-            on_epoch(points[-1], float(local[0] / local[1]))
-        if target is not None and accuracy >= target:
+        if curve:
+            points.append(EpochPoint(epoch, elapsed, accuracy))
+            if on_epoch is not None:
+                local = torch.tensor([sum(losses), len(losses)], dtype=torch.float64)
+                comm.Allreduce(_MPI.IN_PLACE, local, _MPI.SUM)
+                on_epoch(points[-1], float(local[0] / local[1]))
+        if target is not None and accuracy >= target:  # the same accuracy on every rank
             break
     if accuracy is None:
         accuracy = evaluate(runner.eval_model(), x_test, y_test, comm)

@@ -933,6 +933,67 @@ def test_module_buffers_follow_every_change_of_the_module():
     same()
 
 
+def test_module_buffers_follow_structural_changes_that_call_no_hook():
+    """Submodules built earlier and inserted by writes to ``_modules`` that call no registration
+    hook (``nn.Sequential.insert``, ``nn.ModuleList.insert``, direct writes: a replacement, a
+    child given to a leaf, one deleted and one added between two calls) are found."""
+    from heatlike.nn.buffers import ModuleBuffers
+
+    early = [nn.BatchNorm1d(4) for _ in range(6)]  # built (registered) before the first call
+    net = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.ModuleList([nn.ReLU()]),
+                        nn.Sequential(), nn.Linear(4, 4), nn.Tanh())
+    found = ModuleBuffers(net)
+
+    def same():
+        mine, torch_s = found(), list(net.buffers())
+        assert len(mine) == len(torch_s) and all(a is b for a, b in zip(mine, torch_s))
+
+    same()
+    net.insert(1, early[0])  # between a BatchNorm and a Linear
+    same()
+    net[3].insert(1, early[1])  # at the end of a ModuleList
+    same()
+    net[4].insert(0, early[2])  # into an empty Sequential
+    same()
+    net._modules["6"] = early[3]  # a module without buffers replaced by one with them
+    same()
+    net[5]._modules["inner"] = early[4]  # a child for a leaf
+    same()
+    del net[3][0]  # one deleted (no hook) ...
+    net[6]._modules["inner"] = early[5]  # ... and one added at once: the total size is the same
+    same()
+
+
+def test_buffers_of_a_module_inserted_after_wrapping_are_synchronized(comm):
+    """A BatchNorm built before wrapping and inserted with ``nn.Sequential.insert`` afterwards
+    (no registration hook runs) has its statistics broadcast from rank 0 like the others: after
+    ``synchronize_buffers()`` every rank holds what one process running rank 0's batches holds."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 2))
+
+    def batches(rank):
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(8, 4, generator=g) * (1 + rank) for _ in range(4)]
+
+    late, ref_late = nn.BatchNorm1d(4, affine=False), nn.BatchNorm1d(4, affine=False)
+    net, reference = build(), build()
+    model = DataParallel(net, comm)
+    for step, x in enumerate(batches(comm.rank)):
+        if step == 1:
+            net.insert(2, late)
+        model(x).sum().backward()
+    for step, x in enumerate(batches(0)):  # one process, rank 0's batches
+        if step == 1:
+            reference.insert(2, ref_late)
+        reference(x).sum().backward()
+    model.synchronize_buffers()
+    for (name, mine), ref in zip(net.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7, msg=name)
+        assert all(torch.equal(b, mine) for b in comm.handle.allgather(mine)), name
+    model.close()
+
+
 def test_bf16_codec_halves_bytes_and_stays_close(comm):
     P, r = comm.size, comm.rank
     reference = Net(seed=0)

@@ -7,16 +7,18 @@ keeps where the walk found them (submodule, name) and reads each buffer from its
 every call, so a buffer replaced by ``module.to()``, ``half()`` or an assignment is the current
 one. It walks again after any buffer or submodule is registered anywhere in the process (torch's
 global registration hooks: ``register_buffer``, ``add_module`` and assignments of tensors to
-buffer names or of modules). A buffer deleted with ``del`` is left out. Deleting a submodule
-(``del model.block``, ``del seq[2]``) calls no hook, so every call also checks the links from
-the module down to each submodule that holds buffers (``parent._modules[key] is child``) and
-walks again when one changed: 100 links for 50 convolution + BatchNorm blocks, which took a
-call from 24 to 28 us; none for a model without buffers (0.3 us).
+buffer names or of modules). A buffer deleted with ``del`` is left out. Changes of the module's
+structure that call no hook (a submodule deleted, ``del model.block``, ``del seq[2]``; inserted,
+``nn.Sequential.insert``, ``nn.ModuleList.insert``; or any other write to a ``_modules`` table)
+are found by every call: it compares each walked module's table of submodules with the walk's
+(the tables' total size, and the submodules, by identity, of each table that had any) and walks
+again when one changed. The check took 1 us for 50 layers in one ``nn.Sequential``, 2.4 us for
+150, and 6-10 us for 50 blocks of a convolution and a BatchNorm (151 modules, 51 tables with
+submodules) on a loaded 2-core machine, against 0.15, 0.15 and 3 us for the check of the links
+down to the buffers' modules it replaces (which missed insertions).
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 from torch.nn.modules.module import (
@@ -40,39 +42,38 @@ register_module_module_registration_hook(_registered)
 class ModuleBuffers:
     """``ModuleBuffers(module)()`` is ``list(module.buffers())``: the same tensors in the same
     order (shared submodules and buffers once), found without a walk while no buffer or
-    submodule has been registered since the last call."""
+    submodule has been registered since the last call and the module's structure (the
+    submodules of every module the walk reached) is the walk's."""
 
-    __slots__ = ("module", "_seen", "_places", "_tables", "_keys", "_children")
+    __slots__ = ("module", "_seen", "_places", "_tables", "_size", "_parents", "_children")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self._seen = -1
         self._places: list[tuple[torch.nn.Module, str]] = []
-        # the links on the way to the buffers: parent._modules, key, child
-        self._tables: list[dict] = []
-        self._keys: list[str] = []
-        self._children: list[torch.nn.Module] = []
+        self._tables: list[dict] = []  # every walked module's _modules
+        self._size = 0  # their total size
+        self._parents: list[dict] = []  # those of them that held submodules
+        self._children: list[list] = []  # what each of those held (the submodules, or None)
 
     def _walk(self) -> None:
-        """Where the buffers are, and the links from the module down to them."""
+        """Where the buffers are, and the structure of the module."""
         modules = list(self.module.modules())
         self._places = [(m, name) for m in modules for name in m._buffers]
-        holds = {id(m) for m, _ in self._places}  # modules holding buffers, or above one
-        self._tables, self._keys, self._children = [], [], []
-        for m in reversed(modules):  # preorder reversed: every child before its parent
-            for key, child in m._modules.items():
-                if child is not None and id(child) in holds:
-                    self._tables.append(m._modules)
-                    self._keys.append(key)
-                    self._children.append(child)
-                    holds.add(id(m))
+        self._tables = [m._modules for m in modules]
+        self._size = sum(map(len, self._tables))
+        self._parents = [table for table in self._tables if table]
+        self._children = list(map(list, map(dict.values, self._parents)))
 
-    def _relinked(self) -> bool:
-        """Whether a link on the way to the buffers changed (a submodule deleted or replaced)."""
-        return any(map(operator.is_not, map(dict.get, self._tables, self._keys), self._children))
+    def _restructured(self) -> bool:
+        """Whether a submodule was deleted, replaced or inserted anywhere the walk reached,
+        hook or not. A table empty at the walk that gained a submodule changes the total size,
+        unless another lost one at the same time, whose list of submodules then differs."""
+        return sum(map(len, self._tables)) != self._size or \
+            list(map(list, map(dict.values, self._parents))) != self._children
 
     def __call__(self) -> list[torch.Tensor]:
-        if self._seen != _generation[0] or self._relinked():
+        if self._seen != _generation[0] or self._restructured():
             self._seen = _generation[0]
             self._walk()
         found, ids = [], set()
