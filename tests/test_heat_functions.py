@@ -395,3 +395,20 @@ def test_layout_helpers():
     assert x.strides == tuple(s * 8 for s in x.larray.stride())
     x.lloc[0:1] = 5.0 if x.lshape[0] else 0.0
     assert x.lloc[0:1].dtype is torch.float64
+
+
+def test_zero_size_and_zero_dimensional_edge_cases_are_numpys():
+    """(before: TypeError, a torch RuntimeError, IndexError, and vstack of scalars (2,))."""
+    empty = np.zeros((0, 3))
+    for split in (None, 0, 1):
+        x = ht.array(empty, split=split)
+        for axis in (0, 1):
+            assert_matches(ht.unique(x, axis=axis), np.unique(empty, axis=axis), f"{split}")
+    assert_matches(ht.repeat(ht.zeros((0,)), []), np.repeat(np.zeros(0), []))
+    five = ht.array(5)
+    assert_matches(ht.repeat(five, 3, axis=0), np.repeat(np.array(5), 3, axis=0))
+    assert_matches(ht.repeat(five, 2), np.repeat(np.array(5), 2))
+    one, two = np.array(1), np.array(2)
+    for name in ("vstack", "hstack", "column_stack"):
+        got = getattr(ht, name)([ht.array(one), ht.array(two)])
+        assert_matches(got, getattr(np, name)([one, two]), name)

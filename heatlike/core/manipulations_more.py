@@ -167,11 +167,13 @@ def collect(arr: DNDarray, target_rank: int = 0) -> DNDarray:
 
 def _stack_2d(arrays: Sequence[DNDarray], axis: int, name: str) -> DNDarray:
     """Arrays of at most 2 dimensions joined along ``axis``; 1-D ones first get a new axis
-    there (as columns for axis 1, as rows for axis 0)."""
+    there (as columns for axis 1, as rows for axis 0), 0-D ones become ``(1, 1)`` (numpy)."""
     parts = []
     for a in _operands(arrays, name):
         if a.ndim > 2:
             raise ValueError(f"{name}: arrays must have at most 2 dimensions, got {a.ndim}")
+        if a.ndim == 0:
+            a = a.reshape((1,))
         parts.append(expand_dims(a, axis) if a.ndim < 2 else a)
     return concatenate(parts, axis=axis)
 
@@ -190,8 +192,8 @@ vstack = row_stack
 
 
 def hstack(arrays: Sequence[DNDarray]) -> DNDarray:
-    """Join along axis 1 (axis 0 for 1-D arrays)."""
-    ops = _operands(arrays, "hstack")
+    """Join along axis 1 (axis 0 for 1-D arrays; 0-D ones count as 1-D, as numpy's)."""
+    ops = [a.reshape((1,)) if a.ndim == 0 else a for a in _operands(arrays, "hstack")]
     return concatenate(ops, axis=0 if ops[0].ndim == 1 else 1)
 
 
@@ -493,6 +495,8 @@ def repeat(a: object, repeats: object, axis: int | None = None) -> DNDarray:
     elif isinstance(repeats, (list, tuple, np.ndarray, torch.Tensor)):
         r = torch.as_tensor(np.asarray(repeats)) if not isinstance(repeats, torch.Tensor) \
             else repeats
+        if not r.numel():  # numpy reads an empty list as float64: no count is not a float
+            r = r.to(torch.int64)
     elif isinstance(repeats, (int, np.integer)) and not isinstance(repeats, bool):
         r = int(repeats)
     else:
@@ -508,7 +512,7 @@ def repeat(a: object, repeats: object, axis: int | None = None) -> DNDarray:
     if isinstance(r, int) and r < 0 or isinstance(r, torch.Tensor) and bool((r < 0).any()):
         raise ValueError("repeat: repeats must be non-negative")
     t = _gathered(a)
-    if axis is None:
+    if axis is None or t.ndim == 0:  # a 0-D array along axis 0 is one element (numpy)
         t = t.reshape(-1)
         ax = 0
     else:
@@ -607,7 +611,12 @@ def unique(a: DNDarray, sorted: bool = False, return_inverse: bool = False,  # n
         split = 0 if a.split == 0 else None
     else:
         ax = _axis_index(axis, a.ndim)
-        res = torch.unique(t, sorted=True, return_inverse=return_inverse, dim=ax)
+        if t.numel():
+            res = torch.unique(t, sorted=True, return_inverse=return_inverse, dim=ax)
+        else:  # every slice along ax is the same empty slice: one of them (numpy)
+            first = t.narrow(ax, 0, builtins.min(1, t.shape[ax]))
+            inv = torch.zeros(t.shape[ax], dtype=torch.int64, device=t.device)
+            res = (first, inv) if return_inverse else first
         split = a.split
     if return_inverse:
         values, inv = res
