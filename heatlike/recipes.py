@@ -429,17 +429,20 @@ class _DistOptBytes:
 
 def _averaged(net: nn.Module, comm: MPICommunication):
     """A function returning the average of the ranks' models (for methods whose replicas
-    differ), as a module that runs ``net`` with the averaged parameters."""
+    differ), as a module that runs ``net`` with the averaged parameters and floating-point
+    buffers (BatchNorm's running statistics: every shard is then scored by the same model)."""
     def average():
-        names = [n for n, _ in net.named_parameters()]
-        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        tensors = dict(net.named_parameters())
+        tensors.update((n, b) for n, b in net.named_buffers() if b.is_floating_point())
+        first = next(iter(tensors.values()))
+        flat = torch.cat([t.detach().reshape(-1).to(first.dtype) for t in tensors.values()])
         comm.Allreduce(IN_PLACE, flat, MPI.SUM)
         flat /= comm.size
-        params, offset = {}, 0
-        for name, p in zip(names, net.parameters()):
-            params[name] = flat[offset:offset + p.numel()].view(p.shape)
-            offset += p.numel()
-        return _WithParameters(net, params)
+        values, offset = {}, 0
+        for name, t in tensors.items():
+            values[name] = flat[offset:offset + t.numel()].view(t.shape).to(t.dtype)
+            offset += t.numel()
+        return _WithParameters(net, values)
     return average
 
 

@@ -132,3 +132,19 @@ def test_train_task_stops_at_the_target_without_a_curve(comm):
     assert reached.accuracy == one.accuracy
     assert all(torch.equal(a, b) for a, b in zip(reached_params, one_params))
     assert len(runs["never"][0].step_times) == 2 * len(one.step_times)
+
+
+def test_the_average_of_differing_replicas_averages_their_batchnorm_statistics(comm):
+    """Decentralized methods are scored with the ranks' average model: its BatchNorm running
+    statistics too (before: each rank scored its shard with its own statistics)."""
+    from heatlike.recipes import _averaged
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    net[1].running_mean.fill_(float(comm.rank))
+    net[0].weight.data.add_(comm.rank)
+    values = _averaged(net, comm)().values
+    mean = (comm.size - 1) / 2
+    assert torch.allclose(values["1.running_mean"], torch.full((3,), mean))
+    assert torch.allclose(values["0.weight"], net[0].weight.detach() - comm.rank + mean)
+    assert "1.num_batches_tracked" not in values  # an integer count: each rank's own
