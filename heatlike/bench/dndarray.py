@@ -40,6 +40,7 @@ import torch
 
 from .. import random as hrandom
 from ..core.communication import MPI_SELF, MPI_WORLD
+from ..utils.launch import configure_threads
 from ._common import Results, describe_environment, say, timed_rounds
 
 ROWS = COLS = 4096
@@ -73,6 +74,7 @@ def _numpy_times(variants: dict, rounds: int) -> dict[str, float]:
 
 def run(results: Results, quick: bool = False, against: str | None = None) -> None:
     comm = MPI_WORLD
+    configure_threads(comm.handle)  # torch gets this rank's cores, as numpy's BLAS does
     rank0 = comm.rank == 0
     rounds = 3 if quick else 7
     rows = cols = QUICK_ROWS if quick else ROWS
