@@ -235,6 +235,18 @@ def test_singa_rmsprop_and_adagrad_formulas():
     with pytest.raises(ValueError):
         singa.RMSProp([nn.Parameter(p0.clone())], lr=-1)
     assert math.isfinite(float(p.detach().sum()))
+    for cls in (singa.RMSProp, singa.AdaGrad):  # a closure runs its own backward (as torch's)
+        p = nn.Parameter(p0.clone())
+        opt = cls([p], lr=0.1)
+
+        def closure(opt=opt, p=p):
+            opt.zero_grad()
+            loss = (p * g).sum()
+            loss.backward()
+            return loss
+
+        assert float(opt.step(closure)) == pytest.approx(float((p0 * g).sum()))
+        assert not torch.equal(p.detach(), p0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

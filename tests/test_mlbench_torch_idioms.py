@@ -444,3 +444,44 @@ def test_fp16_optimizer_scheduler_and_state(comm):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="synchroniz"):
         fp.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_fp16_optimizer_refuses_parameters_frozen_after_it_was_built(comm):
+    """The master weights are laid out over the parameters that required gradients at
+    construction; a layer frozen later made the copies read and write other layers' places
+    (mlbench-core's do the same: the next layer took the frozen one's weights)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).half()
+    fp = optim.FP16Optimizer(model, average_world=True, init_scale=1.0, comm=comm)
+    fp.set_optimizer(torch.optim.SGD([fp.fp32_params], lr=0.1))
+    x = torch.randn(2, 4).half()
+    fp.zero_grad()
+    fp.backward_loss(model(x).float().pow(2).mean())
+    fp.step()
+    model[0].requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    fp.zero_grad()
+    fp.backward_loss(model(x).float().pow(2).mean())
+    with pytest.raises(RuntimeError, match="frozen or unfrozen after FP16Optimizer was built"):
+        fp.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_sign_sgd_takes_sparse_gradients_with_weight_decay(comm):
+    """(before: torch's add(sparse, dense) error on the ranks holding such a gradient, while
+    the others entered the vote)."""
+    from _helpers import SparseEmbedding
+
+    results = []
+    for sparse in (True, False):
+        net = SparseEmbedding(20, 6, 3)
+        if not sparse:
+            net.table.sparse = False
+        opt = optim.SignSGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01,
+                            comm=comm)
+        for step in range(3):
+            x, y = _batch(step, comm.rank)
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x.reshape(len(x), -1)[:, :4]), y).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.allclose(a, b) for a, b in zip(*results))

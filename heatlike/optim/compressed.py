@@ -427,8 +427,8 @@ class SignSGD(_UpdateSync):
         directions = {}
         lrs = {}
         for group, p in self._synced():
-            d = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else \
-                p.grad.clone()
+            g = dense(p.grad)  # a sparse embedding gradient cannot take the dense decay term
+            d = g.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else g.clone()
             if group["momentum"]:
                 buf = self.state[p].get("momentum_buffer")
                 if buf is None:

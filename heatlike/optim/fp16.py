@@ -102,6 +102,8 @@ class FP16Optimizer(WrappedOptimizer):
                                  reducer=reducer, on_backward_end=self._backward_end,
                                  grad_as_bucket_view=False)
         self.fp32_params = self.initialize_flat_fp32_weight()
+        # the master weights' layout: the parameters that required gradients when it was built
+        self._trainable = [p for p in fp16_model.parameters() if p.requires_grad]
         self._queued = False
         self._hooks = []
         if getattr(self.sync, "passthrough", False):  # one rank: the engine installs no hooks
@@ -119,8 +121,21 @@ class FP16Optimizer(WrappedOptimizer):
         self.sync.synchronize()
         self._averaged = True
 
+    def _check_layout(self) -> None:
+        """RuntimeError where a parameter was frozen or unfrozen since the master weights were
+        laid out: the copies between them and the model would read and write other parameters'
+        places (mlbench-core's do: a layer frozen there overwrites the next one)."""
+        now = [p for p in self.fp16_model.parameters() if p.requires_grad]
+        if len(now) != len(self._trainable) or any(a is not b for a, b in
+                                                   zip(now, self._trainable)):
+            raise RuntimeError(
+                "parameters of the model were frozen or unfrozen after FP16Optimizer was built: "
+                "its float32 master weights hold the parameters that required gradients then. "
+                "Build FP16Optimizer (and its inner optimizer) after freezing or unfreezing")
+
     def _fill_master(self) -> None:
         """Copy the aggregated float16 gradients into ``fp32_params.grad`` (once per step)."""
+        self._check_layout()
         self.fp16_to_fp32_flat_grad(self.fp32_params, self.fp16_model)
         self._averaged = False
         self._master_ready = True
@@ -212,6 +227,7 @@ class FP16Optimizer(WrappedOptimizer):
         ``record_batch_opt_step()`` after the update (or the skip)."""
         if self.optimizer is None:
             raise RuntimeError("call set_optimizer() first")
+        self._check_layout()
         if self.average_custom:
             denom = agreed_denom(denom, self.comm)
         self.sync.participate()
