@@ -9,11 +9,13 @@ only), while saving a checkpoint is a collective that every rank must enter afte
 :class:`StopOnSignal` makes that agreement:
 
 * its handlers only record the signal (they never interrupt a collective);
-* ``stop()`` (call it once per step, at the same place on every rank) is a collective: it
-  completes the exchange started by the previous call, an ``Iallreduce(MAX)`` of every rank's
-  recorded signal number on a communicator of its own, and starts the next one. The answer is
-  therefore the same on every rank, one call after the signal arrived on some rank, and the
-  exchange runs while the step computes: no step waits on it;
+* ``stop()`` (call it once per step, at the same place on every rank) is a collective: an
+  ``Allreduce(MAX)`` of every rank's recorded signal number (one integer) on a communicator of
+  its own. The answer is therefore the same on every rank, at the first call after the signal
+  arrived on some rank. Nothing is left in flight between calls, so a rank may leave the loop
+  by an exception without an unfinished operation (an ``Iallreduce`` started for the next call
+  and never completed crashed Open MPI at exit); the ranks wait for each other at every step
+  anyway, in the gradient exchange;
 * a signal received again (SLURM's SIGTERM after a SIGTERM, a second Ctrl-C of ``SIGINT`` when
   it is watched) restores the handler that was there before and is delivered to it at once: the
   process ends as it would have without this class.
@@ -43,7 +45,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..core.agreement import raise_together
-from ..core.communication import MPICommunication, sanitize_comm
+from ..core.communication import IN_PLACE, MPICommunication, sanitize_comm
 
 __all__ = ["StopOnSignal"]
 
@@ -116,9 +118,7 @@ class StopOnSignal:
         self.calls = 0
         self._received = 0  # this rank's latest signal number (0: none)
         self._private = self.comm.Dup()
-        self._send = np.zeros(1, dtype=np.int32)
-        self._recv = np.zeros(1, dtype=np.int32)
-        self._request = None
+        self._signals = np.zeros(1, dtype=np.int32)
         self._previous = {n: signal.signal(n, self._record) for n in numbers}
         self._closed = False
 
@@ -136,33 +136,25 @@ class StopOnSignal:
         return _signal_name(self._received) if self._received else None
 
     def __call__(self) -> bool:
-        """Collective: True on every rank once any rank received a watched signal before the
-        previous call (the agreed answer lags one call). Then ``signal`` names it."""
+        """Collective: True on every rank once any rank has received a watched signal (before
+        this call). Then ``signal`` names it."""
         if self._closed:
             raise RuntimeError("this StopOnSignal was closed")
         self.calls += 1
-        agreed = 0
-        if self._request is not None:
-            self._request.Wait()
-            agreed = int(self._recv[0])
-        if agreed:
-            self._request = None
-            self.signal = _signal_name(agreed)
+        self._signals[0] = self._received
+        self._private.Allreduce(IN_PLACE, self._signals, MPI.MAX)
+        if self._signals[0]:
+            self.signal = _signal_name(int(self._signals[0]))
             return True
-        self._send[0] = self._received
-        self._request = self._private.Iallreduce(self._send, self._recv, MPI.MAX)
         return False
 
     def close(self) -> None:
-        """Collective: finish the exchange in flight, free the communicator and restore the
-        handlers in place before (idempotent)."""
+        """Collective: free the communicator and restore the handlers in place before
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._request is not None:
-                self._request.Wait()
-                self._request = None
             self._private.Free()
         finally:
             self._restore()
