@@ -52,44 +52,40 @@ def test_signals_on_several_ranks_agree_on_the_highest():
     assert stop.signal == ("SIGTERM" if COMM.size > 1 else "SIGUSR1")
 
 
-def test_no_signal_runs_to_the_end_and_restores_a_program_handler():
+@pytest.fixture
+def program_handler():
+    """A handler of the program's own on SIGUSR1 (``seen`` lists its calls), put back after."""
     seen = []
 
     def mine(signum, frame):
         seen.append(signum)
 
+    mine.seen = seen
     before = signal.signal(signal.SIGUSR1, mine)
-    try:
-        stop = StopOnSignal(COMM, signals=signal.SIGUSR1)
-        assert _loop(stop, {}, most=10) == 0 and stop.signal is None
-        stop.close()
-        stop.close()  # idempotent
-        assert signal.getsignal(signal.SIGUSR1) is mine
-        with pytest.raises(RuntimeError, match="closed"):
-            stop()
-    finally:
-        signal.signal(signal.SIGUSR1, before)
-    assert seen == []
+    yield mine
+    signal.signal(signal.SIGUSR1, before)
 
 
-def test_a_repeated_signal_goes_to_the_previous_handler():
-    seen = []
+def test_no_signal_runs_to_the_end_and_restores_a_program_handler(program_handler):
+    stop = StopOnSignal(COMM, signals=signal.SIGUSR1)
+    assert _loop(stop, {}, most=10) == 0 and stop.signal is None
+    stop.close()
+    stop.close()  # idempotent
+    assert signal.getsignal(signal.SIGUSR1) is program_handler
+    with pytest.raises(RuntimeError, match="closed"):
+        stop()
+    assert program_handler.seen == []
 
-    def mine(signum, frame):
-        seen.append(signum)
 
-    before = signal.signal(signal.SIGUSR1, mine)
-    try:
-        with StopOnSignal(COMM) as stop:
-            os.kill(os.getpid(), signal.SIGUSR1)
-            assert seen == [] and stop.received == "SIGUSR1"
-            os.kill(os.getpid(), signal.SIGUSR1)  # insisted on: the program's handler now
-            assert seen == [signal.SIGUSR1]
-            assert signal.getsignal(signal.SIGUSR1) is mine
-            assert _loop(stop, {}) == 1 and stop.signal == "SIGUSR1"
-        assert signal.getsignal(signal.SIGUSR1) is mine
-    finally:
-        signal.signal(signal.SIGUSR1, before)
+def test_a_repeated_signal_goes_to_the_previous_handler(program_handler):
+    with StopOnSignal(COMM) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert program_handler.seen == [] and stop.received == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGUSR1)  # insisted on: the program's handler now
+        assert program_handler.seen == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is program_handler
+        assert _loop(stop, {}) == 1 and stop.signal == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is program_handler
 
 
 def test_an_exception_restores_the_handlers_without_a_collective():

@@ -136,46 +136,22 @@ def broadcast_tensors(tensors: list[torch.Tensor], comm: MPICommunication,
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: MPICommunication,
                               root: int = 0) -> None:
     """Collective: give ``optimizer`` the state and parameter-group settings ``root``'s has (its
-    ``state_dict()``). Where every rank's state has the same structure (keys, shapes, dtypes),
-    the tensors are broadcast in place and the rest (steps kept as numbers, the groups'
-    settings) as one Python object; otherwise ``root``'s whole state dict is sent."""
+    ``state_dict()``: per parameter, a dict of tensors and numbers). Where every rank holds the
+    same tensors (names, shapes, dtypes), they are broadcast in place and the numbers and group
+    settings sent as one Python object; otherwise ``root``'s whole state dict is."""
     mine = optimizer.state_dict()
-
-    def structure(tree) -> object:
-        if isinstance(tree, torch.Tensor):
-            return ("tensor", tuple(tree.shape), str(tree.dtype), str(tree.device))
-        if isinstance(tree, dict):
-            return tuple((k, structure(v)) for k, v in tree.items())
-        if isinstance(tree, (list, tuple)):
-            return tuple(structure(v) for v in tree)
-        return type(tree).__name__
-
-    shapes = structure(mine["state"])
-    same = len(set(comm.allgather(hashlib.sha256(repr(shapes).encode()).hexdigest()))) == 1
-    if not same:
+    entries = [(i, k, v) for i, per in mine["state"].items() for k, v in per.items()]
+    layout = [(i, k, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (i, k)
+              for i, k, v in entries]
+    if any(other != layout for other in comm.allgather(layout)):
         optimizer.load_state_dict(comm.bcast(mine if comm.rank == root else None, root=root))
         return
-    tensors, others = [], []
-
-    def split(tree, path=()):
-        if isinstance(tree, torch.Tensor):
-            tensors.append(tree)
-        elif isinstance(tree, dict):
-            for k, v in tree.items():
-                split(v, (*path, k))
-        else:
-            others.append((path, tree))
-
-    split(mine["state"])
-    broadcast_tensors(tensors, comm, root)
-    settings = comm.bcast((others, mine["param_groups"]) if comm.rank == root else None,
-                          root=root)
-    for path, value in settings[0]:
-        node = mine["state"]
-        for k in path[:-1]:
-            node = node[k]
-        node[path[-1]] = value
-    mine["param_groups"] = settings[1]
+    broadcast_tensors([v for _, _, v in entries if isinstance(v, torch.Tensor)], comm, root)
+    numbers = [(i, k, v) for i, k, v in entries if not isinstance(v, torch.Tensor)]
+    numbers, mine["param_groups"] = comm.bcast(
+        (numbers, mine["param_groups"]) if comm.rank == root else None, root=root)
+    for i, k, v in numbers:
+        mine["state"][i][k] = v
     optimizer.load_state_dict(mine)
 
 
