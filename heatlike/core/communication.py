@@ -1316,7 +1316,7 @@ class MPICommunication:
                 source = target if send is None else send.contiguous()
                 chunk = max(1, _staging.chunk_bytes() // recv.element_size())
                 phases = _staging.Pipeline(self.handle, source, target, op, mpi_type(recv.dtype),
-                                           chunk)
+                                           chunk, blocking=blocking)
             if blocking:
                 phases.Wait()
             else:
