@@ -122,6 +122,30 @@ def test_setitem_basic():
                     assert_matches(x, expect, tag)
 
 
+#: an integer and an index array apart (a slice, ``None`` or ``...`` between them): numpy puts the
+#: index array's axis first; side by side it stays in place
+KEYS_APART = [(0, slice(None), [1, 2]), (2, None, [1, 0]), (Ellipsis, 0, [2, 0, 0]),
+              (-1, slice(None, None, -1), np.array([True, False, True])),
+              ([3, 1], slice(1, None), 0), (0, None, slice(None), [1, 2], None),
+              (slice(None), 0, [1, 2]), (1, [0, 3], slice(None))]
+
+
+def test_separated_integer_and_index_array_put_the_array_axis_first_as_numpy():
+    _check_getitem((5, 4, 3), KEYS_APART, 10)
+    g = global_array(11, (5, 4, 3))
+    for key in KEYS_APART:
+        sel_shape = g[key].shape
+        values = [global_array(12, sel_shape), global_array(13, sel_shape[-1:])]
+        for what, _ in layouts(g):
+            for vi, value in enumerate(values):
+                for value_layout, v in [("numpy", value), *layouts(value)]:
+                    x = dict(layouts(g))[what]
+                    expect = g.copy()
+                    expect[key] = value
+                    x[key] = v
+                    assert_matches(x, expect, f"[{key!r}] = value{vi} ({value_layout}) into {what}")
+
+
 def test_setitem_masks_and_dtypes():
     g = global_array(10, (5, 4))
     for what, _ in layouts(g):

@@ -248,6 +248,9 @@ def test_flip_roll_rot_pad_tile_repeat():
                            np.pad(g, pw, constant_values=cv), f"pad {pw} {what}")
         # fewer pairs than axes pad the last axes (Heat's convention)
         assert_matches(ht.pad(x, ((1, 2), (0, 1))), np.pad(g, ((0, 0), (1, 2), (0, 1))), what)
+        b = g > 0  # booleans padded with a boolean constant, as numpy allows
+        assert_matches(ht.pad(ht.array(b, split=x.split), 1, constant_values=True),
+                       np.pad(b, 1, constant_values=True), f"pad bool {what}")
         for reps in (2, (2, 1), (1, 2, 1, 2)):
             assert_matches(ht.tile(x, reps), np.tile(g, reps), f"tile {reps} {what}")
         assert_matches(ht.repeat(x, 2), np.repeat(g, 2), what)

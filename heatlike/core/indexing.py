@@ -2,7 +2,9 @@
 
 Supported keys: integers, slices (any step, negative indices), ``...``, ``None``, one integer or
 boolean 1-D array per key (along one axis), and a boolean mask covering the leading axes of ``x``
-(``x[mask]``). Results and communication, with ``k`` the split axis of ``x``:
+(``x[mask]``). As in numpy, an integer and the index array with a slice or ``None`` between them
+(``x[0, :, [1, 2]]``) put the array's axis first in the result (and in the value assigned).
+Results and communication, with ``k`` the split axis of ``x``:
 
 * integers, slices and ``...`` on other axes: local views, no communication;
 * a slice of axis ``k`` with a positive step: each rank keeps its share, no communication; the
@@ -121,6 +123,17 @@ def _local_run(first: int, pstep: int, length: int, lo: int, hi: int) -> tuple[i
     return j_lo, max(j_lo, j_hi)
 
 
+def _advanced_apart(items: list) -> bool:
+    """Whether numpy puts the index array's axis first in the result: with an index array in
+    the key, integers are advanced indices too, and when a slice or ``None`` stands between two
+    advanced indices (``x[0, :, [1, 2]]``) their broadcast axis goes to the front; side by side
+    (``x[:, 0, [1, 2]]``) it stays where they are."""
+    if not any(_is_array(k) for k in items):
+        return False
+    where = [i for i, k in enumerate(items) if _is_int(k) or _is_array(k)]
+    return where[-1] - where[0] + 1 != len(where)
+
+
 class _Plan:
     """What a basic key selects from ``x``: the local view, global result shape and layout."""
 
@@ -137,6 +150,7 @@ class _Plan:
         self.ranges: list[tuple[int, int]] | None = None  # per rank, result coordinates
         self.reversed = False             # the split axis is selected with a negative step
         self.adv: tuple[int, int, object] | None = None  # (x axis, inter dim, index)
+        self.adv_first = _advanced_apart(items)  # numpy puts the index array's axis first
         axis = 0
         for item in items:
             if item is None:
@@ -377,6 +391,8 @@ def getitem(x: DNDarray, key: object) -> DNDarray:
         y = _take_dim(y, plan.adv[1], plan.adv[2], plan.adv[0])
     for p in plan.none_pos:
         y = manipulations.expand_dims(y, p)
+    if plan.adv_first:
+        y = manipulations_more.moveaxis(y, plan.shape.index(-1), 0)
     return y
 
 
@@ -501,6 +517,7 @@ def setitem(x: DNDarray, key: object, value: object) -> None:
     plan = _Plan(x, _expand(key, x.ndim))
     index = pick = None  # the index array's local positions, and which entries they take
     shape = list(plan.shape)
+    at = shape.index(-1) if plan.adv is not None else 0  # the index array's axis
     if plan.adv is not None:
         axis, dim, idx = plan.adv
         index, dist = _index_tensor(idx, x.gshape[axis], axis, x)
@@ -524,14 +541,20 @@ def setitem(x: DNDarray, key: object, value: object) -> None:
             else:
                 view.fill_(value)
         return
-    piece = _value_piece(value, tuple(shape), rs, ranges, x)
+    # the value is shaped as numpy's selection: the index array's axis first where numpy puts it
+    first = plan.adv_first and at > 0
+    order = [at, *(d for d in range(len(shape)) if d != at)] if first else list(range(len(shape)))
+    vrs = None if rs is None else order.index(rs)
+    piece = _value_piece(value, tuple(shape[d] for d in order), vrs, ranges, x)
     if view is None:
         return
     local_shape = list(shape)
     if rs is not None:
         lo, hi = ranges[comm.rank]  # type: ignore[index]
         local_shape[rs] = hi - lo
-    piece = _fit(piece, local_shape, x)
+    piece = _fit(piece, [local_shape[d] for d in order], x)
+    if first:
+        piece = piece.movedim(0, at)
     piece = piece[tuple(0 if i in plan.none_pos else slice(None) for i in range(len(shape)))]
     if plan.flips:
         piece = piece.flip(plan.flips)
@@ -575,4 +598,4 @@ def _setitem_mask(x: DNDarray, mask: object, value: object) -> None:
     x.larray[m] = _fit(piece, local_shape, x)
 
 
-from . import manipulations  # noqa: E402
+from . import manipulations, manipulations_more  # noqa: E402

@@ -380,10 +380,10 @@ def rot90(m: DNDarray, k: int = 1, axes: Sequence[int] = (0, 1)) -> DNDarray:
 
 def _pairs(spec: object, nd: int, name: str, numbers: bool) -> list[tuple]:
     """numpy's pad-width / constant-value spellings as ``nd`` pairs."""
-    kinds = (int, float, np.integer, np.floating) if numbers else (int, np.integer)
-
     def ok(v: object) -> bool:
-        return isinstance(v, kinds) and not isinstance(v, bool)
+        if numbers:  # constant values: booleans too, as in numpy
+            return isinstance(v, (int, float, np.integer, np.floating, np.bool_))
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
     if ok(spec):
         return [(spec, spec)] * nd
