@@ -180,6 +180,39 @@ def test_dtype_promotion_follows_torch():
     assert (x.astype(hl.float16) * 2).dtype is torch.float16
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.float32, np.bool_], ids=str)
+def test_numpy_scalars_and_0d_arrays_promote_as_arrays(dtype):
+    """numpy 2's rule: numpy scalars and 0-d arrays take part in promotion like arrays of any
+    dimension (torch ranks a 0-d tensor below dimensioned ones of its kind, so uint8 + int64(300)
+    wrapped around in uint8); Python scalars stay weak."""
+    g = (np.arange(7) % 4).astype(dtype)
+    scalars = [np.int64(300), np.int8(-3), np.uint8(3), np.int16(7), np.float64(0.5),
+               np.float32(2.5), np.bool_(True)]
+    for what, x in layouts(g):
+        for s in scalars:
+            kinds = {"f" if k == "f" else "i" for k in (np.dtype(dtype).kind,
+                                                         np.asarray(s).dtype.kind) if k != "b"}
+            if kinds == {"i", "f"}:
+                continue  # integers with floats promote by torch's rule (documented)
+            for op in (np.add, np.multiply, np.maximum, np.less, np.equal):
+                for operand in (s, hl.array(np.asarray(s))):
+                    tag = f"{what} {op.__name__} {s!r} ({type(operand).__name__})"
+                    want, back = op(g, s), op(s, g)
+                    assert_matches(op(x, operand), want, tag, dtype=want.dtype)
+                    assert_matches(op(operand, x), back, tag + " reversed", dtype=back.dtype)
+    assert (hl.ones(3) + 2.5).dtype is torch.float32  # a Python float stays weak
+
+
+def test_booleans_in_abs_and_integer_division_as_numpy():
+    g = np.array([True, False, True, True, False, False, True])
+    for what, x in layouts(g):
+        assert_matches(hl.abs(x), np.abs(g), what, dtype=np.bool_)
+        assert_matches(x // True, g // True, what, dtype=np.int8)
+        assert_matches(x % True, g % True, what, dtype=np.int8)
+        with np.errstate(divide="ignore"):
+            assert_matches(hl.floor_divide(x, x), np.floor_divide(g, g), what)  # by zero: 0
+
+
 def test_elementwise_errors():
     a = hl.zeros((4, 3), split=0)
     raises_everywhere(ValueError, lambda: a + hl.zeros((4, 2), split=1), "broadcast")

@@ -166,10 +166,10 @@ def align(operands: Sequence[object], leader: DNDarray | None = None,
         comm, device = get_comm(), torch_device("cpu")
     items: list = []
     for op in operands:
-        if isinstance(op, DNDarray) or isinstance(op, _SCALARS):
-            items.append(op)
-        elif isinstance(op, np.generic):
+        if isinstance(op, np.generic):  # typed (np.float64 is a float too): an array operand
             items.append(_to_tensor(np.asarray(op), device))
+        elif isinstance(op, DNDarray) or isinstance(op, _SCALARS):
+            items.append(op)
         else:
             items.append(_to_tensor(op, device))
     shapes = [tuple(it.shape) if isinstance(it, (DNDarray, torch.Tensor)) else ()
@@ -254,21 +254,41 @@ def _probe(fn: Callable, name: str | None, args: Sequence) -> None:
 
 def elementwise(fn: Callable[..., torch.Tensor], *operands: object,
                 scalars_ok: bool = False, name: str | None = None, out: object = None,
-                where: object = True, float_result: bool = False) -> DNDarray:
+                where: object = True, float_result: bool = False,
+                promote: bool = False) -> DNDarray:
     """``fn`` applied to the aligned local tensors of ``operands``; the result's layout is the
     leader's. ``scalars_ok``: ``fn`` accepts Python scalars where tensors are expected.
     ``float_result``: integer and bool inputs are converted to the float type of the dtype rule
-    first. ``out``/``where``: module docstring. ``NotImplemented`` for unsupported operand types
-    (the public functions turn it into ``TypeError``)."""
+    first. ``promote``: the array operands are converted to their common type first
+    (:func:`_promoted`). ``out``/``where``: module docstring. ``NotImplemented`` for unsupported
+    operand types (the public functions turn it into ``TypeError``)."""
     _check_out(out)
     al = align(operands, sequences=False)
     if al is None:
         return NotImplemented
+    if promote:
+        al.tensors = _promoted(al.tensors)
     args = al.tensors if scalars_ok else al.scalars_as_tensors()
     if float_result:
         args = _floated(args)
     _probe(fn, name, args)
     return _store(al.wrap(fn(*args)), out, where, name)
+
+
+def _promoted(args: list) -> list:
+    """The tensor operands converted to their common type (``torch.promote_types``) when one of
+    them is 0-d and the others are not: numpy 2 promotes numpy scalars and 0-d arrays as arrays
+    of any dimension, while torch ranks a 0-d tensor below dimensioned ones of its kind, as if
+    it were a Python scalar (``uint8_array + np.int64(300)`` would wrap around in uint8). Python
+    scalars are not tensors here and stay weak, as in numpy 2."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    dims = {t.ndim == 0 for t in tensors}
+    if len(dims) < 2:
+        return args
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return [a.to(dtype) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _floated(args: list) -> list:
@@ -347,7 +367,9 @@ def _zero_safe(fn: Callable) -> Callable:
     ZeroDivisionError, which would stop only the ranks holding a zero."""
     def op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         rt = torch.result_type(a, b)
-        if rt.is_floating_point or rt.is_complex or rt is torch.bool:
+        if rt is torch.bool:  # numpy's quotients and remainders of booleans are int8
+            a, b, rt = a.to(torch.int8), b.to(torch.int8), torch.int8
+        if rt.is_floating_point or rt.is_complex:
             return fn(a, b)
         zero = b == 0
         if not bool(zero.any()):
@@ -390,7 +412,7 @@ def _binary(fn: Callable, name: str, doc: str, scalars_ok: bool = False,
         if name == "power":
             _check_power(x1, x2)
         r = elementwise(fn, x1, x2, scalars_ok=scalars_ok, name=name, out=out, where=where,
-                        float_result=float_result)
+                        float_result=float_result, promote=True)
         if r is NotImplemented:
             _raise_unsupported(name, (x1, x2))
         return r
@@ -407,7 +429,8 @@ def binary_operator(name: str, x1: object, x2: object) -> DNDarray:
     fn, scalars_ok, float_result = _BINARY[name]
     if name == "power":
         _check_power(x1, x2)
-    return elementwise(fn, x1, x2, scalars_ok=scalars_ok, name=name, float_result=float_result)
+    return elementwise(fn, x1, x2, scalars_ok=scalars_ok, name=name, float_result=float_result,
+                       promote=True)
 
 
 def _unary(fn: Callable, name: str, doc: str, float_result: bool = False) -> Callable:
@@ -487,7 +510,8 @@ ne, lt, le, gt, ge = not_equal, less, less_equal, greater, greater_equal
 
 negative = _unary(torch.neg, "negative", "-x")
 positive = _unary(lambda t: t.clone(), "positive", "+x (a copy)")
-absolute = _unary(torch.abs, "absolute", "|x|")
+absolute = _unary(lambda t: t.clone() if t.dtype is torch.bool else torch.abs(t), "absolute",
+                  "|x| (booleans stay booleans, as in numpy)")
 abs = absolute  # noqa: A001
 fabs = _unary(lambda t: torch.abs(t.to(float_result_type(t.dtype))), "fabs",
               "|x| as a float")
