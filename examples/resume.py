@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import os
 import signal
 import sys
@@ -53,6 +54,14 @@ def non_negative(text: str) -> int:
     return value
 
 
+def positive(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     names = textwrap.fill(", ".join(sorted(ALGORITHMS)), 96, break_on_hyphens=False,
                           initial_indent="  ", subsequent_indent="  ")
@@ -62,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                         metavar="NAME",
                         help="the algorithm to train with (default allreduce; see below)")
     parser.add_argument("--epochs", type=non_negative, default=3, help="epochs in all (default 3)")
-    parser.add_argument("--batch-size", type=int, default=16,
+    parser.add_argument("--batch-size", type=positive, default=16,
                         help="samples per rank and step (default 16)")
     parser.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     parser.add_argument("--checkpoint", type=Path, default=Path("digits.ckpt"),
@@ -123,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
                               f"run again to continue (exit status {stop.EXIT_STATUS})",
                               flush=True)
                     sys.exit(stop.EXIT_STATUS)
-            runner.end_epoch(sum(losses) / len(losses))
+            # no loss of this epoch here when it ended before a resume at another world size
+            # (the per-rank losses were not loaded)
+            runner.end_epoch(sum(losses) / len(losses) if losses else math.nan)
             if comm.rank == 0:
                 print(f"epoch {loader.epoch}/{args.epochs} done at step {step}", flush=True)
             losses = []

@@ -699,7 +699,24 @@ UNSTORABLE = {
     "a structured array": (lambda: np.zeros(2, dtype=[("a", "<i4")]), "numpy array of dtype"),
     "nested": (lambda: {"a": [1, {"b": Opaque()}]}, "'value' \\(at a.1.b\\)"),
     "a reserved key": (lambda: {"__heatlike_type__": 1}, "reserve"),
+    "a tensor holding a function": (lambda: _tagged(len), "'value' \\(at tag\\) is a builtins"),
+    "a sparse tensor": (lambda: torch.ones(2).to_sparse(), "layout torch.sparse_coo"),
+    "a meta tensor": (lambda: torch.empty(2, device="meta"), "on meta"),
 }
+
+
+def _tagged(value) -> torch.Tensor:
+    """A tensor with a Python attribute (torch.save pickles it with the tensor)."""
+    t = torch.ones(3)
+    t.tag = value
+    return t
+
+
+def test_a_tensor_s_storable_attributes_round_trip(comm, tmp_path):
+    path = _shared_path(comm, tmp_path)
+    net = torch.nn.Linear(2, 2)
+    checkpoint.save(path, net, comm=comm, value=_tagged({"name": "x", "n": 3}))
+    assert checkpoint.load(path, net, comm=comm)["value"].tag == {"name": "x", "n": 3}
 
 
 @pytest.mark.parametrize("kind", sorted(UNSTORABLE))

@@ -6,6 +6,7 @@ import signal
 import threading
 
 import pytest
+import torch
 from _dndarray_helpers import COMM, raises_everywhere
 
 from heatlike.utils import StopOnSignal
@@ -83,9 +84,55 @@ def test_a_repeated_signal_goes_to_the_previous_handler(program_handler):
         assert program_handler.seen == [] and stop.received == "SIGUSR1"
         os.kill(os.getpid(), signal.SIGUSR1)  # insisted on: the program's handler now
         assert program_handler.seen == [signal.SIGUSR1]
-        assert signal.getsignal(signal.SIGUSR1) is program_handler
+        os.kill(os.getpid(), signal.SIGUSR1)  # and every later one
+        assert program_handler.seen == [signal.SIGUSR1] * 2
         assert _loop(stop, {}) == 1 and stop.signal == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is program_handler
+
+
+def test_a_repeat_after_a_higher_signal_is_still_a_repeat(program_handler):
+    """USR1, TERM, USR1: the second USR1 reaches the program's handler (only the highest
+    signal number was kept, so it went unnoticed)."""
+    with StopOnSignal(COMM, signals=["USR1", "USR2"]) as stop:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert program_handler.seen == [signal.SIGUSR1] and stop.received == "SIGUSR2"
+        assert _loop(stop, {}) == 1 and stop.signal == "SIGUSR2"
+    assert signal.getsignal(signal.SIGUSR1) is program_handler
+
+
+def test_a_repeat_during_a_save_reaches_the_handler_and_the_handlers_are_restored(tmp_path):
+    """SIGTERM, then SIGTERM again while ``checkpoint.save`` writes: the program's handler gets
+    the second one, the save completes, and the program's handler is back after the block (the
+    save's own handlers put StopOnSignal's back over the one it had restored)."""
+    from heatlike.utils import checkpoint
+
+    seen = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    real = checkpoint._dumps
+
+    def dumps_and_signal(value):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(value)
+
+    path = tmp_path / "run.ckpt" if COMM.rank == 0 else None
+    path = COMM.bcast(path)
+    try:
+        with StopOnSignal(COMM) as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop() and stop.signal == "SIGTERM"
+            checkpoint._dumps = dumps_and_signal
+            try:
+                checkpoint.save(path, torch.nn.Linear(2, 2), comm=COMM, step=1)
+            finally:
+                checkpoint._dumps = real
+            assert seen and set(seen) == {signal.SIGTERM}
+        assert signal.getsignal(signal.SIGTERM) is not None
+        assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"
+        assert checkpoint.load(path, torch.nn.Linear(2, 2), comm=COMM)["step"] == 1
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_an_exception_restores_the_handlers_without_a_collective():

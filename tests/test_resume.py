@@ -159,3 +159,62 @@ def test_a_save_interrupted_by_a_signal_leaves_no_temporary_file(tmp_path, ranks
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pid", "run.ckpt", "saver.py"], out
     state = checkpoint.load(path, torch.nn.Linear(256, 256), comm=hl.MPI_SELF, rng=False)
     assert state["step"] == 1
+
+
+SIGNALLED_SAVER = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import heatlike as hl
+from heatlike.utils import StopOnSignal, checkpoint
+
+comm = hl.MPI_WORLD
+path, mode = Path(sys.argv[1]), sys.argv[2]
+net = torch.nn.Linear(64, 64)
+checkpoint.save(path, net, comm=comm, step=1)
+real = checkpoint._dumps
+
+
+def dumps_and_signal(value):  # rank 0 is signalled while it writes
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(value)
+
+
+if mode == "exit":  # the program's own handler exits
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(3))
+    if comm.rank == 0:
+        checkpoint._dumps = dumps_and_signal
+    checkpoint.save(path, net, comm=comm, step=2)
+else:  # "twice": StopOnSignal took the first SIGTERM; the second one ends the process
+    with StopOnSignal(comm) as stop:
+        if comm.rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop()
+        if comm.rank == 0:
+            checkpoint._dumps = dumps_and_signal
+        checkpoint.save(path, net, comm=comm, step=2)
+print("saved twice", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks,mode", [(1, "twice"), (2, "twice"), (2, "exit")])
+def test_a_signal_handled_during_a_save_ends_the_job_without_a_temporary_file(tmp_path, ranks,
+                                                                              mode):
+    """A second SIGTERM after StopOnSignal took the first (its default action) while rank 0
+    writes: the save still removes its temporary file (StopOnSignal replaced the save's
+    handler and killed the process at once). A program handler calling sys.exit on rank 0
+    while it writes: the other ranks are not left waiting for it (they waited forever: the
+    exit skipped the receipt of their parts)."""
+    from heatlike.utils import checkpoint
+
+    script = tmp_path / "saver.py"
+    script.write_text(SIGNALLED_SAVER)
+    path = tmp_path / "run.ckpt"
+    proc = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, "-m", "heatlike",
+                           str(script), str(path), mode], capture_output=True, text=True,
+                          timeout=120, env={**_clean_env(), "HEATLIKE_LOG_RANKS": "0"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "saved twice" not in out, out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.ckpt", "saver.py"], out
+    state = checkpoint.load(path, torch.nn.Linear(64, 64), comm=hl.MPI_SELF, rng=False)
+    assert state["step"] == 1

@@ -41,8 +41,10 @@ its length, its SHA-256 and ``END``. Rank 0 writes it to a temporary file
 the directory, so ``path`` always holds either the previous complete checkpoint or the new one.
 The temporary file is removed when the write fails, and when SIGTERM, SIGINT or SIGHUP arrives
 during it (the signal then takes its usual effect: a default SIGTERM still ends the process, a
-handler of the program still runs); a temporary file left by a process killed outright (SIGKILL)
-is removed by the next save to the same path. :func:`load` verifies every hash and reads with
+handler of the program still runs, once the part of a rank being received has arrived; an
+exception it raises, ``sys.exit`` in a handler, ends the save on every rank and is raised again
+on its own rank); a temporary file left by a process killed outright (SIGKILL) is removed by the
+next save to the same path. :func:`load` verifies every hash and reads with
 ``torch.load(weights_only=True)``: a checkpoint file cannot run code, and one holding a pickled
 object raises :class:`CheckpointError`.
 
@@ -79,13 +81,11 @@ import pathlib
 import pickle
 import random
 import re
-import signal
 import stat
 import tempfile
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +94,7 @@ import torch
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..core.log import get_logger
+from ._signals import Signalled, unwinding
 
 __all__ = ["save", "load", "verify", "CheckpointError", "Loaded"]
 
@@ -430,7 +431,13 @@ def _check_storable(tree: dict) -> None:
         elif type(value) in (set,):
             for v in value:
                 walk(v, path)
-        elif type(value) is torch.Tensor or type(value) in _PLAIN:
+        elif type(value) is torch.Tensor:
+            if value.layout is not torch.strided or value.is_meta:
+                raise refuse(path, value, f" with layout {value.layout} on {value.device} "
+                             "(store .to_dense(), or a tensor with values)")
+            for name, attribute in vars(value).items():  # torch.save pickles them too
+                walk(attribute, (*path, name))
+        elif type(value) in _PLAIN:
             return
         else:  # rare: ask the safe loader itself
             try:
@@ -542,59 +549,6 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-class _Signalled(BaseException):
-    """A signal whose default action ends the process arrived during a write."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP")
-                 if hasattr(signal, name))
-
-
-@contextlib.contextmanager
-def _signals_unwind() -> Iterator[None]:
-    """While the block runs, SIGTERM, SIGINT and SIGHUP unwind it (its ``finally`` clauses run)
-    before taking their usual effect: a signal left at its default action then ends the process
-    as it would have (re-raised after the block), a program's own handler (or Python's
-    KeyboardInterrupt for SIGINT) is called at once, an ignored signal stays ignored. Only in the
-    main thread (elsewhere Python cannot set handlers)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {}
-
-    def handler(signum, frame):
-        before = previous[signum]
-        if before is signal.SIG_IGN:
-            return
-        if callable(before):
-            before(signum, frame)
-            return
-        raise _Signalled(signum)
-
-    for sig in _SIGNALS:
-        before = signal.getsignal(sig)
-        if before is None:  # set outside Python: leave it alone
-            continue
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(sig, handler)
-            previous[sig] = before
-    try:
-        yield
-    except _Signalled as e:
-        for sig, before in previous.items():
-            signal.signal(sig, before)
-        previous.clear()
-        signal.raise_signal(e.signum)  # default action: the process ends here
-        raise  # only if the signal is blocked
-    finally:
-        for sig, before in previous.items():
-            signal.signal(sig, before)
 
 
 def _remove_stale(path: Path) -> None:
@@ -734,16 +688,41 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
             "leaves": {p: leaf for p, leaf in _leaves(tree)
                        if p in leaves and p[0] not in whole}}
 
-    error = None
     if comm.rank != 0:
+        error, interrupt = _send_part(comm, mine)
+    else:
+        error, interrupt = _write(Path(path), comm, tree, whole, leaves, mine)
+    if interrupt is None:
+        raise_together(error, comm, (CheckpointError,))
+        return
+    with contextlib.suppress(Exception):  # the others learn of it; here the handler's exit wins
+        raise_together(error, comm, (CheckpointError,))
+    raise interrupt
+
+
+def _send_part(comm: MPICommunication, mine: dict
+               ) -> tuple[Exception | None, BaseException | None]:
+    """A rank other than 0: send its part to rank 0, always (empty when it cannot be
+    serialized), even when a signal handler raises meanwhile. Returns (error, the handler's
+    exception) as :func:`_write` does."""
+    error: BaseException | None = None
+    with unwinding() as guard:
         try:
             blob = _dumps(mine)
-        except Exception as e:  # noqa: BLE001
+        except (Signalled, KeyboardInterrupt):  # the job ends
+            raise
+        except BaseException as e:  # noqa: BLE001 - rank 0 waits for a part: send one
             blob, error = b"", e
-        _send_bytes(comm, blob, 0)
-    else:
-        error = _write(Path(path), comm, tree, whole, leaves, mine)
-    raise_together(error, comm, (CheckpointError,))
+        try:
+            with guard.held():
+                _send_bytes(comm, blob, 0)
+        except (Signalled, KeyboardInterrupt):  # the job ends
+            raise
+        except BaseException as e:  # noqa: BLE001 - a held-back handler's, once sent
+            error = error or e
+    if error is None or isinstance(error, Exception):
+        return error, None
+    return RuntimeError(f"rank {comm.rank} was interrupted ({type(error).__name__})"), error
 
 
 def _per_rank_parts(everyone: list) -> tuple[set, set]:
@@ -762,11 +741,13 @@ def _per_rank_parts(everyone: list) -> tuple[set, set]:
 
 
 def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: set,
-           mine: dict) -> Exception | None:
+           mine: dict) -> tuple[Exception | None, BaseException | None]:
     """Rank 0: write the file atomically, receiving the other ranks' parts one after another
-    (always all of them, even after an error, so no rank is left waiting). The temporary file
-    is removed on every way out: an error, or a signal (:func:`_signals_unwind`)."""
-    error = None
+    (always all of them, even after an error or an exception from a signal handler, so no rank
+    is left waiting). The temporary file is removed on every way out: an error, or a signal
+    (:mod:`heatlike.utils._signals`). Returns the error to raise on every rank and the
+    handler's exception (SystemExit, KeyboardInterrupt) to raise here after that."""
+    error: BaseException | None = None
     handle = tmp = None
     segments: dict[str, list] = {}
 
@@ -775,7 +756,7 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
         handle.write(blob)
         segments[name] = [offset, len(blob), hashlib.sha256(blob).hexdigest()]
 
-    with _signals_unwind():
+    with unwinding() as guard:
         try:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -789,16 +770,27 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
                                   lambda p, leaf: None if p in leaves else leaf)
                 write("shared", _dumps(shared))
                 write("rank0", _dumps(mine))
-            except Exception as e:  # noqa: BLE001
+            except (Signalled, KeyboardInterrupt):  # the job ends
+                raise
+            except BaseException as e:  # noqa: BLE001 - the others' parts are received first
                 error = e
             for source in range(1, comm.size):
-                blob = _recv_bytes(comm, source)
+                try:
+                    with guard.held():
+                        blob = _recv_bytes(comm, source)
+                except (Signalled, KeyboardInterrupt):  # the job ends
+                    raise
+                except BaseException as e:  # noqa: BLE001 - a held-back handler's, once received
+                    error = error or e
+                    continue
                 if error is None:
                     try:
                         if not blob:
                             raise RuntimeError(f"rank {source} could not serialize its state")
                         write(f"rank{source}", blob)
-                    except Exception as e:  # noqa: BLE001
+                    except (Signalled, KeyboardInterrupt):  # the job ends
+                        raise
+                    except BaseException as e:  # noqa: BLE001
                         error = e
             if error is None:
                 try:
@@ -818,7 +810,9 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
                     os.replace(tmp, path)
                     tmp = None
                     _fsync_dir(path.parent)
-                except Exception as e:  # noqa: BLE001
+                except (Signalled, KeyboardInterrupt):  # the job ends
+                    raise
+                except BaseException as e:  # noqa: BLE001
                     error = e
         finally:
             if handle is not None:
@@ -827,10 +821,11 @@ def _write(path: Path, comm: MPICommunication, tree: dict, whole: set, leaves: s
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-    if error is not None:
-        return RuntimeError(f"writing checkpoint {path} failed ({type(error).__name__}: "
-                            f"{error}); the previous checkpoint there is unchanged")
-    return None
+    if error is None:
+        return None, None
+    failed = RuntimeError(f"writing checkpoint {path} failed ({type(error).__name__}: "
+                          f"{error}); the previous checkpoint there is unchanged")
+    return failed, None if isinstance(error, Exception) else error
 
 
 # -------------------------------------------------------------------------------- load

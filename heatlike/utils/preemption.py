@@ -17,8 +17,10 @@ only), while saving a checkpoint is a collective that every rank must enter afte
   and never completed crashed Open MPI at exit); the ranks wait for each other at every step
   anyway, in the gradient exchange;
 * a signal received again (SLURM's SIGTERM after a SIGTERM, a second Ctrl-C of ``SIGINT`` when
-  it is watched) restores the handler that was there before and is delivered to it at once: the
-  process ends as it would have without this class.
+  it is watched) is passed on at once to the handler that was there before, as is every later
+  one of that number: the process ends as it would have without this class (a default action
+  inside ``checkpoint.save`` first lets the save remove its temporary file). Handlers are never
+  replaced from inside a handler, so the ones in place before are restored when the block ends.
 
 Typical use (``examples/resume.py``)::
 
@@ -35,7 +37,6 @@ requeue the job (``scripts/slurm/requeue.sbatch``).
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterable
@@ -46,6 +47,7 @@ from mpi4py import MPI
 
 from ..core.agreement import raise_together
 from ..core.communication import IN_PLACE, MPICommunication, sanitize_comm
+from ._signals import end_process
 
 __all__ = ["StopOnSignal"]
 
@@ -116,18 +118,22 @@ class StopOnSignal:
         self.signals = tuple(numbers)
         self.signal: str | None = None
         self.calls = 0
-        self._received = 0  # this rank's latest signal number (0: none)
+        self._received = 0  # the highest signal number this rank received (0: none)
+        self._seen: set[int] = set()  # every signal number this rank received
         self._private = self.comm.Dup()
         self._signals = np.zeros(1, dtype=np.int32)
         self._previous = {n: signal.signal(n, self._record) for n in numbers}
         self._closed = False
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self._received == signum:  # insisted on: give it to the previous handler now
-            previous = self._previous.pop(signum, None)
-            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-            os.kill(os.getpid(), signum)
+        if signum in self._seen:  # insisted on: to the previous handler now
+            previous = self._previous.get(signum)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous is not signal.SIG_IGN:  # the default action (or one set outside Python)
+                end_process(signum)
             return
+        self._seen.add(signum)
         self._received = max(self._received, signum)
 
     @property
