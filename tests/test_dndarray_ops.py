@@ -203,6 +203,19 @@ def test_numpy_scalars_and_0d_arrays_promote_as_arrays(dtype):
     assert (hl.ones(3) + 2.5).dtype is torch.float32  # a Python float stays weak
 
 
+def test_python_integers_out_of_an_integer_type_s_range_as_numpy():
+    """Arithmetic raises OverflowError (was torch's RuntimeError); comparisons are exact."""
+    for dtype in (np.uint8, np.int32, np.int64):
+        g = (np.arange(7) % 4).astype(dtype)
+        for what, x in layouts(g):
+            for v in (300, -1, 2**40, 2**63, -2**70):
+                info = np.iinfo(dtype)
+                for op in (np.less, np.equal, np.greater_equal, np.not_equal):
+                    assert_matches(op(x, v), op(g, v), f"{what} {op.__name__} {v}")
+                if not info.min <= v <= info.max:
+                    raises_everywhere(OverflowError, lambda x=x, v=v: x + v, "out of bounds")
+
+
 def test_booleans_in_abs_and_integer_division_as_numpy():
     g = np.array([True, False, True, True, False, False, True])
     for what, x in layouts(g):

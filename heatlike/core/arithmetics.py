@@ -126,9 +126,11 @@ class Aligned:
     def wrap(self, local: torch.Tensor) -> DNDarray:
         return DNDarray._make(local, self.shape, self.split, self.counts, self.comm)
 
-    def scalars_as_tensors(self) -> list:
+    def scalars_as_tensors(self, compare: bool = False) -> list:
         """The operands with Python scalars turned into 0-d tensors of the dtype torch would
-        promote them to against the tensor operands (torch functions that need tensors)."""
+        promote them to against the tensor operands (torch functions that need tensors). A
+        Python integer out of that integer type's range raises OverflowError (numpy 2's rule),
+        or, in a comparison (``compare``), is compared exactly."""
         tensors = [t for t in self.tensors if isinstance(t, torch.Tensor)]
         scalars = [t for t in self.tensors if not isinstance(t, torch.Tensor)]
         if tensors:
@@ -139,8 +141,25 @@ class Aligned:
             dtype = torch.tensor(scalars[0]).dtype
         probe = torch.empty((1,), dtype=dtype)
         for s in scalars:
-            probe = torch.empty((1,), dtype=torch.result_type(probe, s))
-        return [t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=probe.dtype,
+            try:
+                probe = torch.empty((1,), dtype=torch.result_type(probe, s))
+            except (OverflowError, RuntimeError):
+                if type(s) is not int:
+                    raise
+                # an integer beyond int64: the range check below decides
+        dtype = probe.dtype
+        if not dtype.is_floating_point and not dtype.is_complex and dtype is not torch.bool:
+            info = torch.iinfo(dtype)
+            wide = [s for s in scalars if type(s) is int and not info.min <= s <= info.max]
+            if wide and not compare:
+                raise OverflowError(f"Python integer {wide[0]} out of bounds for "
+                                    f"{str(dtype).removeprefix('torch.')}")
+            if wide:  # compared exactly, as numpy does: in int64, or float64 beyond it
+                big = any(not -2**63 <= s < 2**63 for s in wide)
+                dtype = torch.float64 if big else torch.int64
+                return [t.to(dtype) if isinstance(t, torch.Tensor) else
+                        torch.tensor(t, dtype=dtype, device=self.device) for t in self.tensors]
+        return [t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=dtype,
                                                                    device=self.device)
                 for t in self.tensors]
 
@@ -268,11 +287,14 @@ def elementwise(fn: Callable[..., torch.Tensor], *operands: object,
         return NotImplemented
     if promote:
         al.tensors = _promoted(al.tensors)
-    args = al.tensors if scalars_ok else al.scalars_as_tensors()
+    args = al.tensors if scalars_ok else al.scalars_as_tensors(name in _COMPARISONS)
     if float_result:
         args = _floated(args)
     _probe(fn, name, args)
     return _store(al.wrap(fn(*args)), out, where, name)
+
+
+_COMPARISONS = {"eq", "not_equal", "less", "less_equal", "greater", "greater_equal"}
 
 
 def _promoted(args: list) -> list:
