@@ -50,7 +50,10 @@ class DecentralizedSGD(WrappedOptimizer):
     ``rank`` (if given) must be this rank of ``comm``; ``neighbors`` is this rank's neighbor
     list (None: a ring). ``graph=`` takes a :class:`NeighborGraph` instead; ``weights`` chooses
     Metropolis-Hastings (default) or uniform mixing. ``sync_initial`` (default True) starts all
-    ranks from rank 0's weights. Rank 0 may have neighbors like any other rank.
+    ranks from rank 0's weights, broadcast when the optimizer is built: per-rank weights loaded
+    into the model before that are overwritten (build the optimizer, then load, as
+    ``checkpoint.load`` does, or pass ``sync_initial=False``). Rank 0 may have neighbors like
+    any other rank.
 
     ``codec``: none (the weights travel as float32), or a cast to bfloat16 / float16
     (``"bf16"``, ``"fp16"``), which sends each rank's change since its last mix, never its
