@@ -310,6 +310,12 @@ def test_bad_arguments_raise_on_every_rank(comm, tmp_path):
     with pytest.raises(TypeError, match="torch.nn.Module"):
         checkpoint.load(path, [1, 2], comm=comm)
     net = torch.nn.Linear(3, 2)
+    generator = torch.Generator().manual_seed(comm.rank)  # an extra named like the switch
+    with pytest.raises(TypeError, match="rng= must be True or False.*cannot be named 'rng'"):
+        checkpoint.save(path, net, comm=comm, rng=generator)
+    assert not path.exists()
+    with pytest.raises(TypeError, match="strict= must be True or False"):
+        checkpoint.load(path, net, comm=comm, strict="yes")
     checkpoint.save(path, net, comm=comm)
     with pytest.raises(CheckpointError, match="no optimizer state"):
         checkpoint.load(path, net, torch.optim.SGD(net.parameters(), lr=0.1), comm=comm)

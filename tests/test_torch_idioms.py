@@ -289,9 +289,9 @@ def test_daso_and_distopt_are_torch_optimizers_that_lr_schedulers_drive(comm):
 @pytest.mark.parametrize("wrapper", ["blocking", "non-blocking", "daso"])
 def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
     """copy.deepcopy (an EMA copy), torch.optim.swa_utils.AveragedModel and torch.save of the
-    module a wrapper holds give plain modules with the module's current weights, whose forward
-    passes leave the wrapper alone (a non-blocking update still pending stays pending: flush()
-    first to copy it too), on every rank."""
+    module a wrapper holds give plain modules with the module's current weights (reading them
+    applies a pending non-blocking update first), whose forward passes leave the wrapper alone
+    (an update pending meanwhile stays pending), on every rank."""
     import io
 
     from heatlike.nn import DataParallelMultiGPU
@@ -307,14 +307,20 @@ def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
         opt = DataParallelOptimizer(sgd, blocking=wrapper == "blocking")
         model = DataParallel(net, comm, optimizer=opt)
     averaged = torch.optim.swa_utils.AveragedModel(net)
-    for step in range(2):
+
+    def train(step):
         opt.zero_grad()
         x, y = _data(step, comm.rank)
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        averaged.update_parameters(net)
+
     pending = wrapper == "non-blocking" and comm.size > 1
-    assert bool(getattr(model.grad_sync, "pending", list)()) == pending
+    for step in range(2):
+        train(step)
+        assert bool(getattr(model.grad_sync, "pending", list)()) == pending
+        averaged.update_parameters(net)
+        assert not getattr(model.grad_sync, "pending", list)()  # the update was applied
+    train(2)
     weights = [p.detach().clone() for p in net.parameters()]
     ema = copy.deepcopy(net)
     buffer = io.BytesIO()
@@ -323,15 +329,15 @@ def test_copies_of_a_wrapped_module_are_plain_modules(comm, wrapper):
     loaded = torch.load(buffer, weights_only=False)
     for copied in (ema, loaded):
         assert all(torch.equal(a, b) for a, b in zip(copied.parameters(), weights))
+    train(3)
     x, _ = _data(9, comm.rank)
     with torch.no_grad():
         outputs = [m(x) for m in (ema, loaded, averaged)]
     assert bool(getattr(model.grad_sync, "pending", list)()) == pending  # untouched by copies
     assert torch.equal(outputs[0], outputs[1])
     assert all(out.shape == (4, 3) and bool(torch.isfinite(out).all()) for out in outputs)
-    if pending:  # the update in flight lands in the wrapped module, not in the copies
-        model.flush()
-        assert not all(torch.equal(a, b) for a, b in zip(net.parameters(), weights))
+    getattr(model, "flush", lambda: None)()  # the last update lands in the module, not the copies
+    assert not all(torch.equal(a, b) for a, b in zip(net.parameters(), weights))
 
 
 @pytest.mark.mpi
@@ -430,31 +436,111 @@ def test_loading_weights_after_step_gives_the_loaded_weights(comm, blocking, int
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_zero_grad_of_the_module_while_an_update_is_pending(comm, set_to_none):
+@pytest.mark.parametrize("target", ["wrapper", "module"])
+def test_zero_grad_of_the_module_while_an_update_is_pending(comm, set_to_none, target):
     """Non-blocking: the wrapper's ``zero_grad`` (DDP users' ``model.zero_grad()``) resets the
-    gradients once the pending update is applied, giving the one-process model; the wrapped
-    module's own ``zero_grad`` would lose averages in flight (or zero them mid-sum) and raises
-    on every rank instead (before: accumulated gradients or replicas that drift apart)."""
-    for target in ("wrapper", "module"):
-        net = _net()
-        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
-                                    blocking=False)
-        model = DataParallel(net, comm, optimizer=opt)
-        ref = _net()
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-        zero = functools.partial(model.zero_grad if target == "wrapper" else net.zero_grad,
-                                 set_to_none=set_to_none)
-        for step in range(STEPS):
-            x, y = _data(step, comm.rank)
-            if target == "module" and step == 1 and comm.size > 1:
-                zero()
-                with pytest.raises(RuntimeError, match="were reset or changed after step"):
-                    model(x)
-                break
-            _step_both(comm, step, model, opt, ref, ref_opt, zero=zero)
-        else:
-            model.flush()
-            _assert_close(net, ref, f"{target}.zero_grad(set_to_none={set_to_none})")
+    gradients once the pending update is applied; the wrapped module's own ``zero_grad`` reads
+    the gradients, which applies the pending update first. Both give the one-process model
+    (before: the module's raised at the next forward, and earlier still, accumulated gradients
+    or replicas that drifted apart)."""
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                blocking=False)
+    model = DataParallel(net, comm, optimizer=opt)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    zero = functools.partial(model.zero_grad if target == "wrapper" else net.zero_grad,
+                             set_to_none=set_to_none)
+    for step in range(STEPS):
+        _step_both(comm, step, model, opt, ref, ref_opt, zero=zero)
+    model.flush()
+    _assert_close(net, ref, f"{target}.zero_grad(set_to_none={set_to_none})")
+
+
+@pytest.mark.mpi
+def test_a_gradient_changed_behind_the_guard_raises_on_every_rank(comm):
+    """A ``.grad`` tensor kept from before ``step()`` and zeroed after it is not a read of a
+    parameter: the average in flight into it is lost, and the next forward raises on every
+    rank, naming what to call instead."""
+    if comm.size == 1:
+        pytest.skip("one rank updates at once: nothing is deferred")
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=False)
+    model = DataParallel(net, comm, optimizer=opt)
+    x, y = _data(0, comm.rank)
+    nn.functional.cross_entropy(model(x), y).backward()
+    grads = [p.grad for p in net.parameters()]
+    opt.step()
+    for g in grads:
+        g.zero_()
+    with pytest.raises(RuntimeError, match="were reset or changed after step.*kept from before"):
+        model(x)
+
+
+def _l2(net: nn.Module) -> torch.Tensor:
+    return sum((p * p).sum() for p in net.parameters())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+def test_parameters_read_between_step_and_forward_are_the_updated_ones(comm, blocking):
+    """Code between ``step()`` and the next forward that reads the parameters sees them
+    updated, as after a blocking step: a regularizer computed before ``model(x)`` (Python
+    evaluates ``reg(net) + loss(model(x))`` left to right), an exponential moving average
+    updated right after ``step()`` (``torch.optim.swa_utils.AveragedModel``) and a gradient
+    norm logged after ``step()``. Non-blocking, they saw the weights (and gradients) from before
+    the step: a silently different model (2.5e-3 off after 5 steps)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    net, ref = _net(), _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    emas = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.8)) for m in (net, ref)]
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = _data(step, comm.rank)
+        (1e-2 * _l2(net) + nn.functional.cross_entropy(model(x), y)).backward()
+        opt.step()
+        xs, ys = zip(*[_data(step, r) for r in range(comm.size)])
+        (1e-2 * _l2(ref) + nn.functional.cross_entropy(ref(torch.cat(xs)), torch.cat(ys))
+         ).backward()
+        ref_opt.step()
+        for ema, m in zip(emas, (net, ref)):
+            ema.update_parameters(m)
+        norms = [torch.linalg.vector_norm(p.grad) for p in (net[-1].weight, ref[-1].weight)]
+        assert torch.allclose(*norms, rtol=1e-5), f"step {step}: logged gradient norm"
+    _assert_close(net, ref, "regularizer before the forward pass")
+    _assert_close(emas[0].module, emas[1].module, "EMA updated after step()")
+
+
+@pytest.mark.mpi
+def test_a_loop_that_reads_parameters_only_in_the_forward_keeps_the_overlap(comm):
+    """The guard against early reads lets through what does not read a parameter's values:
+    the next batch, metadata (shapes, devices), ``zero_grad`` and LR schedulers between
+    ``step()`` and the next forward leave the update pending for the forward pass."""
+    if comm.size == 1:
+        pytest.skip("one rank updates at once: nothing is deferred")
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+                                blocking=False)
+    model = DataParallel(net, comm, optimizer=opt)
+    sched = _schedule(opt)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _data(step, comm.rank)
+        x = torch.cat([x, x]).float()[: len(x)]
+        shapes = [(p.shape, p.dtype, p.device, p.requires_grad, p.numel()) for p in
+                  net.parameters()]
+        assert opt.update_next == (step > 0) and shapes
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sched.step()
+        assert opt.update_next
+    model.flush()
+    assert not opt.update_next
 
 
 class _Checkpointed(nn.Module):

@@ -223,6 +223,8 @@ class DataParallel(torch.nn.Module):
 
     def _module_pre_hook(self, _module, _args) -> None:
         if not self._in_wrapper:  # the module called directly: every pending update first
+            if self.optimizer is not None:
+                self.optimizer._disarm_guard()
             self._before_forward(defer=False)
 
     def _module_post_hook(self, _module, _args, output) -> None:
@@ -236,6 +238,8 @@ class DataParallel(torch.nn.Module):
         applies each as the forward first uses its parameters. Under ``torch.compile`` (the
         wrapper traced, ``traced``, or compiled parts inside the module) every pending update is
         applied now: hooks and modes inside compiled code cannot be relied on."""
+        if self.optimizer is not None:  # the forward pass's own mode (or a flush) takes over
+            self.optimizer._disarm_guard()
         defer = self._defers and not traced and bool(self.optimizer._pending) and \
             not compiled_parts(self.module)
         self._before_forward(defer)

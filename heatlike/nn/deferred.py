@@ -13,14 +13,29 @@ use a parameter of a submodule it never calls (``nn.MultiheadAttention`` passes
 another module), and a hook before each module's forward would let such a call run with the
 old value. The cost is a Python call per torch function in a forward pass with updates
 pending (about 2-3 us each on one CPU core).
+
+Between ``step()`` and that forward pass, :class:`ApplyBeforeRead` (installed by ``step()``)
+does the same for any code that reads a parameter with a pending update, or its gradient: a
+regularizer computed before ``model(x)``, an ``AveragedModel`` (EMA) updated after ``step()``,
+a norm logged between steps, the bare module's own ``zero_grad()``. Such a read waits for the
+average and sees the updated values, as after a blocking step; calls that only read metadata
+(shape, dtype, device, ...) and calls on other tensors (the next batch's loading) pass through,
+so a loop that reads the parameters only in the forward pass keeps the overlap. It is a mode on
+the calling thread's stack, taken off at the next forward pass through the wrapper, or when
+nothing is pending any more.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ApplyBeforeUse"]
+from .hooks import run_eagerly
+
+__all__ = ["ApplyBeforeUse", "ApplyBeforeRead", "drop_guard", "make_inert", "on_stack",
+           "remove_mode"]
 
 
 class ApplyBeforeUse(TorchFunctionMode):
@@ -38,19 +53,119 @@ class ApplyBeforeUse(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if self.owner:
-            hit = set()
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    b = self.owner.get(id(a))
-                    if b is not None:
-                        hit.add(b)
-                elif isinstance(a, (list, tuple)):
-                    for t in a:
-                        b = self.owner.get(id(t))
-                        if b is not None:
-                            hit.add(b)
+            hit = _buckets_of(self.owner, args, kwargs)
             if hit:
-                self.optimizer.apply(sorted(hit))
-                pending = set(self.optimizer._pending)
-                self.owner = {k: b for k, b in self.owner.items() if b in pending}
+                self._apply(hit)
         return func(*args, **kwargs)
+
+    def _apply(self, hit: set) -> None:
+        # (a graph break in code torch.compile traces: the update runs eagerly)
+        run_eagerly(self.optimizer.apply, sorted(hit))
+        pending = set(self.optimizer._pending)
+        self.owner = {k: b for k, b in self.owner.items() if b in pending}
+
+
+def _buckets_of(owner: dict, args: tuple, kwargs: dict) -> set | None:
+    """The buckets (``owner``: parameter id -> bucket) of the parameters among ``args`` and
+    ``kwargs``, direct or in a list or tuple."""
+    hit = None
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                b = owner.get(id(t))
+                if b is not None:
+                    hit = hit or set()
+                    hit.add(b)
+        else:
+            b = owner.get(id(a))
+            if b is not None:
+                hit = hit or set()
+                hit.add(b)
+    return hit
+
+
+# calls on a tensor that read none of its values: they may see a parameter whose update is pending
+_METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim", "names", "grad_fn",
+    "is_cuda", "is_sparse", "is_meta", "is_quantized", "is_mkldnn", "is_nested", "size", "dim",
+    "numel", "nelement", "element_size", "__len__", "data_ptr", "is_contiguous", "stride",
+    "storage_offset", "is_floating_point", "is_complex", "get_device", "_version"})
+
+
+def _metadata_only(func) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # a property: named by its descriptor
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return name in _METADATA
+
+
+class ApplyBeforeRead(ApplyBeforeUse):
+    """:class:`ApplyBeforeUse` for the code between a deferred ``step()`` and the next forward
+    pass (see the module docstring): reads of metadata pass through, and so does the
+    optimizer's own work while it applies an update (``optimizer._applying``). It holds the
+    optimizer weakly (a model dropped with an update pending is freed; the guard is then
+    inert, and taken off the stack by the next :func:`drop_guard`)."""
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    @optimizer.setter
+    def optimizer(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if self.owner:
+            hit = _buckets_of(self.owner, args, kwargs)
+            if hit and not _metadata_only(func):
+                optimizer = self.optimizer
+                if optimizer is not None and not optimizer._applying:
+                    self._apply(hit)
+        return func(*args, **kwargs)
+
+
+def make_inert(guard: ApplyBeforeRead) -> None:
+    """Let ``guard`` pass every call (its optimizer is gone). Never changes the mode stack: this
+    runs from the garbage collector, which may run between torch's look at the stack and its
+    use of it; the guard is taken off at the next :func:`drop_guard`."""
+    guard.owner = {}
+
+
+def drop_guard(guard: ApplyBeforeRead) -> None:
+    """Make ``guard`` inert and take it off this thread's stack where it can be (not inside its
+    own call, nor from another thread); with it, every inert guard left on the stack."""
+    guard.owner = {}
+    stack_at = getattr(torch._C, "_get_function_stack_at", None)
+    if stack_at is None:
+        return
+    for i in reversed(range(torch._C._len_torch_function_stack())):
+        mode = stack_at(i)
+        if isinstance(mode, ApplyBeforeRead) and not mode.owner:
+            remove_mode(mode)
+
+
+def on_stack(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on this thread's torch function mode stack (not while its own
+    ``__torch_function__`` runs: torch takes it off the stack meanwhile)."""
+    stack_at = getattr(torch._C, "_get_function_stack_at", None)
+    if stack_at is None:
+        return False
+    return any(stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
+def remove_mode(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off this thread's torch function mode stack wherever it is (the modes above
+    it stay, in their order); False where it is not there or torch lacks the stack's calls."""
+    if not on_stack(mode):
+        return False
+    above = []
+    while True:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+    return True

@@ -16,7 +16,11 @@ was called, so an LR scheduler stepped in between does not leak into it. Deferre
 the torch optimizer once per bucket with the other parameters' gradients hidden, which is exact
 for optimizers whose update is per parameter (SGD, Adam, AdamW, RMSprop, Adagrad, ...); use
 ``blocking=True`` for optimizers that couple parameters (LBFGS, global-norm based ones).
-``zero_grad()`` while updates are pending is applied right after each bucket's update.
+``zero_grad()`` while updates are pending is applied right after each bucket's update. Code
+that reads a parameter (or its gradient) between :meth:`step` and the next forward, such as a
+regularizer computed before ``model(x)`` or an EMA updated after ``step()``, applies its pending
+update first and sees what a blocking step gives
+(:class:`~heatlike.nn.deferred.ApplyBeforeRead`).
 
 The wrapper is a ``torch.optim.Optimizer`` (:class:`~heatlike.optim.wrapping.WrappedOptimizer`):
 its ``param_groups``, ``state`` and ``defaults`` are the torch optimizer's, so LR schedulers,
@@ -38,11 +42,13 @@ touch gradients between ``backward()`` and ``step()``:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..nn.deferred import ApplyBeforeRead, drop_guard, make_inert, on_stack
 from .wrapping import (
     LossScaleTracker,
     WrappedOptimizer,
@@ -77,6 +83,8 @@ class DataParallelOptimizer(WrappedOptimizer):
         self._zero_request: bool | None = None  # set_to_none of a deferred zero_grad
         # a codec with error feedback: its residuals follow GradScaler's scale (set at _attach)
         self._scales: LossScaleTracker | None = None
+        self._guard: ApplyBeforeRead | None = None  # between step() and the next forward
+        self._applying = False
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
@@ -187,7 +195,28 @@ class DataParallelOptimizer(WrappedOptimizer):
         self._pending = pending
         self._hyperparams = [{k: _value_now(v) for k, v in g.items() if k != "params"}
                              for g in self.optimizer.param_groups]
+        self._arm_guard()
         return None
+
+    def _arm_guard(self) -> None:
+        """Put :class:`~heatlike.nn.deferred.ApplyBeforeRead` on this thread's mode stack (or
+        re-arm it there): a read of a parameter before the next forward pass applies its
+        pending update first."""
+        guard, buckets = self._guard, self._require_model().grad_sync.buckets
+        if guard is None:
+            guard = self._guard = ApplyBeforeRead(self, buckets)
+            weakref.finalize(self, make_inert, guard)  # (the stack is changed by calls only)
+        else:
+            guard.__init__(self, buckets)
+        if not on_stack(guard):
+            guard.__enter__()
+
+    def _disarm_guard(self) -> None:
+        """Nothing to guard any more (applied, or the forward pass takes over): the guard off
+        the mode stack, or, where it cannot be taken off now (inside its own call, another
+        thread), left inert until the next try."""
+        if self._guard is not None:
+            drop_guard(self._guard)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients; with updates pending, right after each of them is applied."""
@@ -208,14 +237,28 @@ class DataParallelOptimizer(WrappedOptimizer):
         if not todo:
             return
         sync = self._require_model().grad_sync
+        self._applying = True
+        try:
+            self._apply(sync, todo)
+        finally:
+            self._applying = False
+        if self._guard is not None:
+            if self._pending:
+                self._guard.owner = {k: b for k, b in self._guard.owner.items()
+                                     if b in self._pending}
+            else:
+                self._disarm_guard()
+
+    def _apply(self, sync, todo: list[int]) -> None:
         changed = sync.changed_in_flight(todo)
         if changed:
             raise RuntimeError(
                 f"the gradients of {changed[:3]}{' ...' if len(changed) > 3 else ''} were reset "
                 "or changed after step() while their average was still being computed "
-                "(non-blocking DataParallelOptimizer), e.g. by the module's own zero_grad(): "
-                "call optimizer.zero_grad() or the DataParallel wrapper's zero_grad(), which "
-                "reset them once the pending update is applied")
+                "(non-blocking DataParallelOptimizer), e.g. through a .grad tensor kept from "
+                "before step() or from another thread: call optimizer.zero_grad() or the "
+                "DataParallel wrapper's zero_grad(), which reset them once the pending update "
+                "is applied, or model.flush() first")
         updated: list[torch.nn.Parameter] = []
         for b in todo:
             try:
@@ -247,6 +290,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         the next forward runs as after a skipped step (before, every later forward raised
         again)."""
         self._pending = []
+        self._disarm_guard()
         self._zero_requested()
 
     def _step_only(self, params: Sequence[torch.nn.Parameter]) -> None:

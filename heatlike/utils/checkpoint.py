@@ -660,6 +660,7 @@ def save(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     error = None
     try:
         _check_model(model)
+        _check_flags(rng=rng)
     except TypeError as e:
         error = e
     raise_together(error, comm, (CheckpointError,))
@@ -852,6 +853,7 @@ def load(path: str | os.PathLike, model: torch.nn.Module, optimizer=None, *,
     comm = _comm_of(model, optimizer, comm)
     try:
         _check_model(model)
+        _check_flags(rng=rng, strict=strict)
         for name, obj in stateful.items():
             if not _stateful(obj):
                 raise TypeError(f"checkpoint.load's keyword argument {name!r} must have "
@@ -1298,6 +1300,16 @@ def _check_model(model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (bare or wrapped), got "
                         f"{type(model).__name__}")
+
+
+def _check_flags(**flags) -> None:
+    """``rng`` and ``strict`` are switches; a value of another kind is most likely an extra
+    object the caller named like them, which would otherwise be taken for the switch."""
+    for name, value in flags.items():
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"checkpoint's {name}= must be True or False, got "
+                            f"{type(value).__name__} (an extra value cannot be named {name!r}: "
+                            "give it another name)")
 
 
 def _version() -> str:
