@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .core.agreement import raise_together
+from .core.agreement import gather_or_raise, raise_together
 from .core.communication import MPICommunication, sanitize_comm
 from .core.topology import NeighborGraph
 from .engine import codecs
@@ -86,14 +86,37 @@ class Aggregation:
         return AllReduce(self.comm)
 
     def _reducer(self, op: str, denom) -> Reducer:
-        """The reducer, configured for one call."""
-        op = _canonical(op)
-        if op == "custom_avg" and (denom is None or float(denom) <= 0):
-            raise ValueError("op='custom_avg' ('avg_custom') needs a positive denom")
-        self._reducer_.configure(op, getattr(self, "divide_before", False)
-                                 and op in ("avg", "custom_avg"),
-                                 None if denom is None else float(denom))
+        """Collective: the reducer, configured for one call. An invalid ``op`` or ``denom`` on
+        any rank, or ranks that pass different ones, raise ValueError on every rank before
+        anything is sent."""
+        error, settings = None, None
+        try:
+            settings = self._settings(op, denom)
+        except (TypeError, ValueError) as e:
+            error = e
+        everyone = gather_or_raise(settings, error, self.comm, "aggregation")
+        if any(other != settings for other in everyone):
+            calls = ", ".join(f"rank {r}: op={o!r}, denom={d!r}" for r, (o, d) in
+                              enumerate(everyone))
+            raise ValueError(f"the ranks aggregate with different arguments ({calls}): pass "
+                             "the same op and denom on every rank")
+        self._configure(*settings)
         return self._reducer_
+
+    def _configure(self, op: str, denom: float | None) -> None:
+        self._reducer_.configure(op, getattr(self, "divide_before", False)
+                                 and op in ("avg", "custom_avg"), denom)
+
+    def _settings(self, op: str, denom) -> tuple[str, float | None]:
+        """(the engine's op name, denom as a float or None), or ValueError."""
+        op = _canonical(op)
+        if op == "custom_avg" and (denom is None or not float(denom) > 0):
+            raise ValueError("op='custom_avg' ('avg_custom') needs a positive denom")
+        if op in ("min", "max") and not isinstance(self.codec, (codecs.Identity, codecs.Cast)):
+            raise ValueError(f"op={op!r} takes the elementwise {op} of the values themselves: "
+                             f"{type(self.codec).__name__} aggregation sends something else "
+                             "(use AllReduceAggregation)")
+        return op, None if denom is None else float(denom)
 
     def _agg(self, data: torch.Tensor, op: str, denom=None, *,
              key: object = None) -> torch.Tensor:
@@ -234,11 +257,14 @@ class DecentralizedAggregation(Aggregation):
         super().close()
         self.graph.free()
 
-    def _reducer(self, op: str, denom) -> Reducer:
+    def _settings(self, op: str, denom) -> tuple[str, float | None]:
         if op not in (AVG_WORLD, "avg"):
             raise ValueError(f"decentralized aggregation averages with neighbors: op must be "
                              f"'avg_world' or 'avg', got {op!r}")
-        return self._reducer_
+        return "avg", None
+
+    def _configure(self, op: str, denom: float | None) -> None:
+        """(a neighbor mix: nothing to configure)"""
 
     def _agg_gradients_by_layer(self, model, op="avg", denom=None):
         raise ValueError("decentralized aggregation mixes models; use agg_model")

@@ -477,6 +477,32 @@ def test_power_and_sparsified_aggregation(comm):
     assert s.codec.name == "topk-3"
 
 
+def test_aggregation_arguments_are_checked_on_every_rank(comm):
+    """min/max of what PowerSGD or top-k send is not the elementwise min/max (it was silently
+    wrong); an invalid denom on one rank, or different ops or denoms on different ranks, raise
+    ValueError on every rank before anything is sent (one rank raised, the others matched its
+    next call and then hung)."""
+    model = nn.Linear(3, 4, bias=False)
+    for make in (lambda: agg.PowerAggregation(rank=3, comm=comm),
+                 lambda: agg.SparsifiedAggregation(k=2, comm=comm)):
+        for op in ("max", "min"):
+            model.weight.grad = torch.randn(4, 3)
+            with pytest.raises(ValueError, match=f"op='{op}' takes the elementwise"):
+                make().agg_grad()(model, op)
+    a = agg.AllReduceAggregation(comm=comm)
+    last = comm.rank == comm.size - 1
+    t = torch.ones(5)
+    with pytest.raises(ValueError, match="needs a positive denom"):
+        a._agg(t, agg.AVG_CUSTOM, denom=0.0 if last else 2.0)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="different arguments"):
+            a._agg(t, agg.AVG_CUSTOM, denom=3.0 if last else 2.0)
+        with pytest.raises(ValueError, match="different arguments"):
+            a.agg_grad()(model, "max" if last else "avg")
+    assert torch.equal(t, torch.ones(5))
+    assert torch.equal(a._agg(t, "sum"), torch.full((5,), float(comm.size)))  # still in step
+
+
 def test_each_new_model_gets_a_plan_of_its_own_on_every_rank(comm):
     """An aggregation keeps a plan per model. A model built where a freed one was (Python
     reuses the address, so the id, on some ranks) is aggregated with its own parameters on every

@@ -201,6 +201,10 @@ def test_bad_input_raises_on_every_rank():
     raises_on_every_rank(COMM, ValueError, lambda: ZeroRedundancyOptimizer(
         (params[:-1] if last else params) if COMM.size > 1 else [], torch.optim.SGD, lr=0.1),
         "empty parameter list" if COMM.size == 1 else "differs between ranks")
+    # torch's own RuntimeError for a keyword combination, on one rank (the others waited)
+    raises_on_every_rank(COMM, RuntimeError, lambda: ZeroRedundancyOptimizer(
+        params, torch.optim.Adam, lr=0.1, **({"fused": True, "foreach": True} if last else {})),
+        "cannot be `True` together")
     zero = ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match="synchronizes itself"):
         DataParallelOptimizer(zero)

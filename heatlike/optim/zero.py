@@ -117,8 +117,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 super().__init__(params, dict(defaults))
                 self._comm = comm
                 self._build(optimizer_class, defaults)
-            except (TypeError, ValueError) as bad:
-                error = bad
+            except Exception as bad:  # noqa: BLE001 - e.g. torch's RuntimeError for fused=True
+                error = bad  # with foreach=True: raised on every rank below
         raise_together(error, comm)
         agree_on({"optimizer_class": optimizer_class.__qualname__, "defaults": defaults,
                   "parameters": [[(tuple(p.shape), str(p.dtype)) for p in g["params"]]
