@@ -159,6 +159,12 @@ def test_factories():
             assert_matches(hl.arange(*args, split=split), np.arange(*args), f"arange {args}")
         assert hl.arange(3).dtype is torch.int64 and hl.arange(3.0).dtype is torch.float32
         assert_matches(hl.arange(4, dtype=hl.float64, split=split), np.arange(4.0))
+        for args, dtype in (((0.5, 5, 1.5), np.int64), ((-2.7, 3.1, 0.7), np.int32),
+                            ((5.5, -3, -1.25), np.int64), ((0.1, 1.0, 0.3), np.float64),
+                            ((1, 2.5, 0.1), np.float64)):  # numpy's step, to the bit
+            got = hl.arange(*args, dtype=dtype, split=split).numpy()
+            want = np.arange(*args, dtype=dtype)
+            assert got.dtype == want.dtype and np.array_equal(got, want), f"{args} {got}"
         for num in (0, 1, 2, 5, 13):
             for endpoint in (True, False):
                 got = hl.linspace(-1.0, 2.0, num, endpoint=endpoint, dtype=hl.float64,

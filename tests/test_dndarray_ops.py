@@ -216,6 +216,29 @@ def test_python_integers_out_of_an_integer_type_s_range_as_numpy():
                     raises_everywhere(OverflowError, lambda x=x, v=v: x + v, "out of bounds")
 
 
+def test_python_integers_out_of_range_in_factories_as_numpy():
+    """``array(data, dtype=)``, ``full`` and ``full_like`` raise numpy 2's OverflowError for a
+    Python integer the integer type cannot hold (array wrapped it silently: 300 -> 44 as
+    uint8; full raised torch's RuntimeError); values in range and floats convert as numpy's."""
+    for obj, dtype in (([300, 1], np.uint8), ([-1, 1], np.uint8), ([[200], [1]], np.int8),
+                       ([2**40], np.int32), (300, np.uint8)):
+        with pytest.raises(OverflowError):
+            np.array(obj, dtype=dtype)
+        for split in (None, 0) if np.ndim(obj) else (None,):
+            raises_everywhere(OverflowError, lambda o=obj, d=dtype, s=split: hl.array(
+                o, dtype=d, split=s), "out of bounds")
+    raises_everywhere(OverflowError, lambda: hl.full((5,), 300, dtype=np.uint8, split=0),
+                      "out of bounds")
+    raises_everywhere(OverflowError, lambda: hl.full_like(hl.zeros(5, dtype=np.int8), 200),
+                      "out of bounds")
+    for obj, dtype in (([255, 0, 7], np.uint8), ([1.7, -2.5, 3.0], np.int64),
+                       ([True, False, True], np.int16), ([-128, 127, 0], np.int8)):
+        for what, x in layouts(np.array(obj, dtype=dtype)):
+            assert_matches(hl.array(obj, dtype=dtype, split=x.split), np.array(obj, dtype=dtype),
+                           what, dtype=np.dtype(dtype))
+    assert_matches(hl.full((3,), -128, dtype=np.int8), np.full(3, -128, dtype=np.int8), "full")
+
+
 def test_booleans_in_abs_and_integer_division_as_numpy():
     g = np.array([True, False, True, True, False, False, True])
     for what, x in layouts(g):

@@ -66,6 +66,27 @@ def test_moments_ptp_average():
     raises_everywhere(ValueError, lambda: ht.kurtosis(x, axis=5), "axis")
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_percentiles_are_numpy_s_bits(dtype):
+    """numpy's interpolation to the bit (the form by the side of the nearer end, the weight
+    rounded from float64; float32 differed in the last bit), and beside an infinity the
+    infinity where numpy's formula makes inf - inf = nan."""
+    rng = np.random.default_rng(5)
+    for n in (2, 5, 8, 11):
+        g = rng.standard_normal((n, 3)).astype(dtype)
+        for what, x in layouts(g):
+            for q in (7, 20, 33.3, 50, 64, 80, 99):
+                for method in ("linear", "midpoint"):
+                    got = ht.percentile(x, q, axis=0, interpolation=method).numpy()
+                    want = np.percentile(g, q, axis=0, method=method)
+                    assert got.dtype == want.dtype and np.array_equal(got, want), \
+                        f"{n} {q} {method} {what}: {got} != {want}"
+    g = np.array([-np.inf, 1.0, 3.0, 4.0], dtype=dtype)
+    for what, x in layouts(g):
+        assert_matches(ht.percentile(x, 20), np.array(-np.inf, dtype=dtype), what)  # numpy: nan
+        assert_matches(ht.percentile(x, 50), np.percentile(g, 50), what)
+
+
 @pytest.mark.parametrize("method", ["linear", "lower", "higher", "midpoint", "nearest"])
 def test_percentile_and_median(method):
     g = global_array(3, (7, 6, 5))
@@ -209,6 +230,8 @@ def test_reshaping_and_joining():
                 fn, fn))([e2, e2]), f"{fn} {what}")
         assert_matches(ht.column_stack([x[:, 0, 0], x[:, 1, 1]]),
                        np.column_stack([g[:, 0, 0], g[:, 1, 1]]), what)
+        for fn in ("vstack", "column_stack", "dstack", "hstack"):  # 3-D arrays as they are
+            assert_matches(getattr(ht, fn)([x, x]), getattr(np, fn)([g, g]), f"{fn} 3-D {what}")
         for axis in range(3):
             for ios in (2, [1, 3], [0, 9]):
                 if isinstance(ios, int) and g.shape[axis] % ios:
@@ -226,7 +249,10 @@ def test_reshaping_and_joining():
     raises_everywhere(ValueError, lambda: ht.vsplit(ht.arange(3), 1), "2 or more")
     raises_everywhere(ValueError, lambda: ht.broadcast_to(ht.ones(3), (2, 4)), "broadcast")
     raises_everywhere(TypeError, lambda: ht.broadcast_arrays(ht.ones(3), 4), "DNDarray")
-    raises_everywhere(ValueError, lambda: ht.column_stack([ht.ones((2, 2, 2))]), "dimensions")
+    for fn in ("vstack", "column_stack", "dstack", "hstack"):  # 0-d arrays (numpy's atleast_*)
+        scalar = np.float32(2.5)
+        assert_matches(getattr(ht, fn)([ht.array(scalar), ht.array(scalar)]),
+                       getattr(np, fn)([scalar, scalar]), f"{fn} 0-d")
     raises_everywhere(ValueError, lambda: ht.moveaxis(ht.ones((2, 2)), [0, 1], [0]), "same")
 
 

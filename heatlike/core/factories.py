@@ -20,7 +20,7 @@ from .agreement import gather_or_raise
 from .communication import MPICommunication, sanitize_comm
 from .devices import sanitize_device, torch_device
 from .dndarray import DNDarray, _normalize_split
-from .types import canonical_dtype
+from .types import canonical_dtype, is_integer, numpy_dtype
 
 __all__ = ["array", "asarray", "zeros", "ones", "full", "empty", "zeros_like", "ones_like",
            "full_like", "empty_like", "arange", "linspace", "logspace", "eye", "meshgrid",
@@ -84,6 +84,11 @@ def _as_local_tensor(obj: object, dtype: torch.dtype | None = None) -> torch.Ten
         return t if t.dtype is dt else t.to(dt)
     if isinstance(obj, (str, bytes)):
         raise TypeError(f"cannot build a DNDarray from {type(obj).__name__}")
+    if dtype is not None and is_integer(dtype):
+        try:  # numpy 2 raises OverflowError for a Python integer out of the type's range
+            return torch.from_numpy(np.array(obj, dtype=numpy_dtype(dtype)))
+        except (TypeError, ValueError, KeyError):  # (torch's conversion decides)
+            pass
     try:
         return torch.tensor(obj, dtype=dtype)
     except (TypeError, ValueError, RuntimeError):
@@ -259,8 +264,20 @@ def _filled(shape, fill, dtype, split, device, comm) -> DNDarray:
     if fill is None:
         t = torch.empty(lshape, dtype=dtype, device=dev)
     else:
-        t = torch.full(lshape, fill, dtype=dtype, device=dev)
+        t = _full(lshape, fill, dtype, dev)
     return DNDarray._make(t, shape, s, counts, comm)
+
+
+def _full(lshape: tuple[int, ...], fill: object, dtype: torch.dtype,
+          device: torch.device) -> torch.Tensor:
+    """``torch.full``; a Python integer out of an integer dtype's range is numpy 2's
+    OverflowError (torch's RuntimeError before)."""
+    if isinstance(fill, int) and not isinstance(fill, bool) and is_integer(dtype):
+        info = torch.iinfo(dtype)
+        if not info.min <= fill <= info.max:
+            raise OverflowError(f"Python integer {fill} out of bounds for "
+                                f"{str(dtype).removeprefix('torch.')}")
+    return torch.full(lshape, fill, dtype=dtype, device=device)
 
 
 def _dtype_or(dtype: object, default: torch.dtype | None = None) -> torch.dtype:
@@ -322,7 +339,7 @@ def _like(a: DNDarray, fill: object, dtype: object, split: object, device: objec
         split, counts, lshape = _layout(a.gshape, a.split if split is _SAME else split, comm)
     td = torch_device(dev)
     t = torch.empty(lshape, dtype=dt, device=td) if fill is None else \
-        torch.full(lshape, fill, dtype=dt, device=td)
+        _full(lshape, fill, dt, td)
     return DNDarray._make(t, a.gshape, split, counts, comm)
 
 
@@ -357,7 +374,9 @@ def arange(*args: float, dtype: object = None, split: int | None = None, device:
            comm: MPICommunication | None = None) -> DNDarray:
     """``arange([start,] stop[, step])``: ``start + i * step`` for ``i < ceil((stop - start) /
     step)``. Integer arguments give int64, others the default float type; each rank computes its
-    own part (in float64, then cast)."""
+    own part (in float64, then cast), with numpy's step: the difference of the first two values
+    (``(start + step) - start``; in the integer type for an integer ``dtype``, so
+    ``arange(0.5, 5, 1.5, dtype=int64)`` is ``[0, 2, 4]`` as in numpy)."""
     if not 1 <= len(args) <= 3:
         raise TypeError(f"arange expects 1 to 3 positional arguments, got {len(args)}")
     start, stop, step = (0, args[0], 1) if len(args) == 1 else \
@@ -378,8 +397,14 @@ def arange(*args: float, dtype: object = None, split: int | None = None, device:
     dev = torch_device(sanitize_device(device))
     if integral:
         t = torch.arange(lo, hi, dtype=torch.int64, device=dev) * int(step) + int(start)
-    else:
-        t = torch.arange(lo, hi, dtype=torch.float64, device=dev) * float(step) + float(start)
+    elif not dt.is_floating_point and not dt.is_complex:
+        # numpy: the first two values converted to the integer type fix the step
+        first, second = int(float(start)), int(float(start) + float(step))
+        t = torch.arange(lo, hi, dtype=torch.int64, device=dev) * (second - first) + first
+    else:  # numpy's step: the difference of the first two values (float64, then cast)
+        first = float(start)
+        delta = (first + float(step)) - first
+        t = torch.arange(lo, hi, dtype=torch.float64, device=dev) * delta + first
     return DNDarray._make(t.to(dt), (n,), s, counts, comm)
 
 

@@ -166,12 +166,10 @@ def collect(arr: DNDarray, target_rank: int = 0) -> DNDarray:
 
 
 def _stack_2d(arrays: Sequence[DNDarray], axis: int, name: str) -> DNDarray:
-    """Arrays of at most 2 dimensions joined along ``axis``; 1-D ones first get a new axis
-    there (as columns for axis 1, as rows for axis 0), 0-D ones become ``(1, 1)`` (numpy)."""
+    """Arrays joined along ``axis``; 1-D ones first get a new axis there (as columns for axis 1,
+    as rows for axis 0), 0-D ones become ``(1, 1)``, others stay as they are (numpy)."""
     parts = []
     for a in _operands(arrays, name):
-        if a.ndim > 2:
-            raise ValueError(f"{name}: arrays must have at most 2 dimensions, got {a.ndim}")
         if a.ndim == 0:
             a = a.reshape((1,))
         parts.append(expand_dims(a, axis) if a.ndim < 2 else a)
@@ -179,12 +177,12 @@ def _stack_2d(arrays: Sequence[DNDarray], axis: int, name: str) -> DNDarray:
 
 
 def column_stack(arrays: Sequence[DNDarray]) -> DNDarray:
-    """1-D arrays as columns, 2-D arrays as they are, joined along axis 1."""
+    """1-D arrays as columns, others as they are (0-D as ``(1, 1)``), joined along axis 1."""
     return _stack_2d(arrays, 1, "column_stack")
 
 
 def row_stack(arrays: Sequence[DNDarray]) -> DNDarray:
-    """1-D arrays as rows, 2-D arrays as they are, joined along axis 0."""
+    """1-D arrays as rows, others as they are (0-D as ``(1, 1)``), joined along axis 0."""
     return _stack_2d(arrays, 0, "row_stack")
 
 
@@ -198,11 +196,14 @@ def hstack(arrays: Sequence[DNDarray]) -> DNDarray:
 
 
 def dstack(arrays: Sequence[DNDarray]) -> DNDarray:
-    """Join along axis 2 (1-D arrays become ``(1, n, 1)``, 2-D ``(m, n, 1)``)."""
+    """Join along axis 2 (0-D arrays become ``(1, 1, 1)``, 1-D ``(1, n, 1)``, 2-D
+    ``(m, n, 1)``)."""
     ops = _operands(arrays, "dstack")
     out = []
     for a in ops:
-        if a.ndim == 1:
+        if a.ndim == 0:
+            a = a.reshape((1, 1, 1))
+        elif a.ndim == 1:
             a = expand_dims(expand_dims(a, 0), 2)
         elif a.ndim == 2:
             a = expand_dims(a, 2)

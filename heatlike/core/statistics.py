@@ -345,7 +345,7 @@ def _quantiles(t: torch.Tensor, q: torch.Tensor, method: str) -> torch.Tensor:
     pos = q.to(torch.float64) * (n - 1)
     lo = torch.floor(pos).to(torch.int64).clamp(0, n - 1)
     hi = torch.ceil(pos).to(torch.int64).clamp(0, n - 1)
-    frac = (pos - lo.to(torch.float64)).to(t.dtype)
+    frac = pos - lo.to(torch.float64)
     a = srt.index_select(-1, lo).movedim(-1, 0)
     b = srt.index_select(-1, hi).movedim(-1, 0)
     if method == "lower":
@@ -353,15 +353,19 @@ def _quantiles(t: torch.Tensor, q: torch.Tensor, method: str) -> torch.Tensor:
     elif method == "higher":
         out = b
     elif method == "midpoint":
-        out = (a + b) / 2
+        out = b - (b - a) * 0.5  # numpy's lerp at 0.5
     elif method == "nearest":
         idx = torch.round(pos).to(torch.int64).clamp(0, n - 1)
         out = srt.index_select(-1, idx).movedim(-1, 0)
     else:
         shape = (-1,) + (1,) * (a.ndim - 1)
-        f = frac.reshape(shape)
-        out = a + (b - a) * f
-        out = torch.where(f == 0, a, out)
+        # numpy's lerp, the same bits: the weight and its complement rounded from float64 to
+        # the data's dtype, the form by the side of the nearer end (-inf, not nan, beside -inf)
+        f64 = frac.reshape(shape)
+        f, g = f64.to(t.dtype), (1 - f64).to(t.dtype)
+        d = b - a
+        out = torch.where(f64 >= 0.5, b - d * g, a + d * f)
+        out = torch.where(f64 == 0, a, out)
     nan = torch.isnan(t).any(-1)
     if builtins.bool(nan.any()):
         out = out.masked_fill(nan.unsqueeze(0).expand_as(out), float("nan"))
