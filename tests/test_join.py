@@ -233,6 +233,45 @@ def test_zero_redundancy_optimizer_joins_with_its_model(comm):
     _check(net, full, comm)
 
 
+@pytest.mark.parametrize("between", ["clip", "schedule"])
+def test_zero_shards_of_ranks_out_of_inputs_follow_the_training_loop(comm, between):
+    """What the loop does between backward and step (clip_grad_norm_, a per-iteration
+    scheduler) reaches the shards of the ranks standing in: they step with the gradients and
+    learning rate of the highest rank still training, and the model is the one-process run's
+    (before: those shards stepped with the unclipped averages and the old learning rate, 0.03
+    off after the uneven tail)."""
+    from heatlike.optim import ZeroRedundancyOptimizer
+
+    def train(net, opt, sched, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            if between == "clip":
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.step()
+            if between == "schedule":
+                sched.step()
+
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, process_group=comm,
+                                  lr=0.1, momentum=0.9)
+    model = DataParallel(net, comm)
+    with Join([model, opt]):
+        train(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1, 0.5),
+              [_batch(comm.rank, step) for step in range(_steps(comm.rank))])
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    combined = []
+    for step in range(max(_steps(r) for r in range(comm.size))):
+        active = [r for r in range(comm.size) if step < _steps(r)]
+        combined.append((torch.cat([_batch(r, step)[0] for r in active]),
+                         torch.cat([_batch(r, step)[1] for r in active])))
+    train(ref, ref_opt, torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5), combined)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, **TOL), f"parameters off by {(p - q).abs().max():.3g}"
+    hl.nn.verify_replicas(net, comm)
+
+
 def test_two_models_trained_together_join_once_per_iteration(comm):
     """An encoder and a head wrapped separately under one torch optimizer: one notification
     per iteration (the first model's forward), the buffers of both synchronized at its start,

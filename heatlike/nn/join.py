@@ -26,8 +26,10 @@ model's buffers, and a shadow exchanges their gradients in the reverse of their 
 gradients as the exchange leaves them, so what the loop does between backward and step
 (clipping, a per-iteration scheduler) is not repeated there: after the last iteration the last
 rank's torch optimizer states and settings are broadcast with the parameters. A
-``ZeroRedundancyOptimizer``'s shards cannot be repaired that way; one stepped by a GradScaler
-while a rank has joined raises ``RuntimeError`` on every rank.
+``ZeroRedundancyOptimizer``'s shards cannot be repaired that way: while a rank stands in, its
+``step()`` takes the settings and the shards' gradients of the highest rank still training
+(``ZeroRedundancyOptimizer._follow_training_ranks``); one stepped by a GradScaler while a rank
+has joined raises ``RuntimeError`` on every rank.
 
 ``throw_on_early_termination=True`` instead raises ``RuntimeError`` on every rank as soon as one
 rank runs out of inputs. Only the joinables' own collectives are shadowed: other collectives in

@@ -35,7 +35,8 @@ step either way); ``overlap_with_ddp=True`` needs DDP's communication hook and r
 optimizer whose ``step`` needs a closure (LBFGS: its direction is a function of every
 parameter's gradient) and a parameter listed twice raise ``ValueError``. With
 :class:`heatlike.nn.Join`, pass the optimizer among the joinables (``Join([model, opt])``): a
-rank out of inputs must step it in the others' steps. The optimizer cannot be pickled or
+rank out of inputs must step it in the others' steps, and does so with the settings and
+(clipped) gradients of the highest rank still training. The optimizer cannot be pickled or
 deep-copied (``TypeError``): save its state with ``consolidate_state_dict`` and ``state_dict``.
 """
 
@@ -92,6 +93,17 @@ def _refuse_scaled_shadow(comm) -> None:
             "still scaled and cannot follow the scaler's skipped steps. Give every rank the "
             "same number of batches (heatlike.utils.data.DataLoader does), or train without "
             "the GradScaler (bfloat16 autocast needs none)")
+
+
+def _standing_in(comm) -> bool:
+    """Whether a :class:`heatlike.nn.Join` is current and some rank of it has run out of inputs
+    (the same answer on every rank: the training ranks learn it from the iteration's
+    notification, the others are standing in)."""
+    from ..nn.join import _CURRENT
+
+    join = _CURRENT[-1] if _CURRENT else None
+    return join is not None and (join.joined or join.active < comm.size) and \
+        MPI.Comm.Compare(join.comm.handle, comm.handle) in (MPI.IDENT, MPI.CONGRUENT)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -220,13 +232,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 with torch.enable_grad():
                     loss = closure()
             _refuse_scaled_shadow(self._comm)
-            for full, local in zip(self.param_groups, self.optim.param_groups):
-                for k, v in full.items():
-                    if k != "params":
-                        local[k] = v
-            self.optim.step(**kwargs)
         except Exception as bad:  # noqa: BLE001 - any failure here is every rank's
             error = bad
+        if _standing_in(self._comm):
+            self._follow_training_ranks(error)  # (raises on every rank where one failed)
+        if error is None:
+            try:
+                for full, local in zip(self.param_groups, self.optim.param_groups):
+                    for k, v in full.items():
+                        if k != "params":
+                            local[k] = v
+                self.optim.step(**kwargs)
+            except Exception as bad:  # noqa: BLE001 - any failure here is every rank's
+                error = bad
         layout = zlib.crc32(repr(self._layout()).encode())
         layouts = gather_or_raise(layout, error, self._comm, "ZeroRedundancyOptimizer.step")
         if len(set(layouts)) > 1:
@@ -235,6 +253,39 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._share_parameters()
         self._consolidated = None
         return loss
+
+    def _follow_training_ranks(self, error: Exception | None) -> None:
+        """Collective, under :class:`heatlike.nn.Join` once a rank has run out of inputs: the
+        shards of the ranks that stand in are stepped with the settings and gradients of the
+        highest rank still training, which the training loop may have changed between backward
+        and ``step()`` (a scheduler's learning rate, ``clip_grad_norm_``), where a standing-in
+        rank has only the exchanged averages. One small all-gather (joined or not, the groups'
+        hyperparameters, which gradients exist), then that rank broadcasts the gradients of
+        each standing-in rank's shard."""
+        from ..nn.join import _CURRENT
+
+        joined = bool(_CURRENT[-1].joined)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        present = [[p.grad is not None for p in shard] for shard in self._shards]
+        everyone = gather_or_raise((joined, hyper, present), error, self._comm,
+                                   "ZeroRedundancyOptimizer.step under Join")
+        root = max(r for r, (out, _, _) in enumerate(everyone) if not out)
+        _, hyper, present = everyone[root]
+        if joined:
+            for group, values in zip(self.param_groups, hyper):
+                group.update(values)
+        for r, (out, _, _) in enumerate(everyone):
+            if not out:
+                continue
+            grads = []
+            for p, has in zip(self._shards[r], present[r]):
+                if not has:
+                    p.grad = None
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            broadcast_tensors(grads, self._comm, root=root)
 
     def _share_parameters(self) -> None:
         """Each rank in turn broadcasts its updated shard (the engine's broadcast: large
