@@ -170,6 +170,73 @@ def test_sign_of_zero_is_no_vote(comm, scaled):
                                    me - scales[comm.rank] * torch.sign(me))
 
 
+_MEMORY_CODECS = {
+    "topk": lambda: TopK(k=2), "threshold": lambda: Threshold(0.5),
+    "randomk": lambda: RandomK(k=2), "randomk-own": lambda: RandomK(k=2, shared=False),
+    "randomblock": lambda: RandomBlock(k=2), "scaled-sign": ScaledSign,
+    "sign-ef": lambda: Sign(error_feedback=True), "powersgd": lambda: PowerSGD(1),
+    "powersgd-reuse": lambda: PowerSGD(1, reuse_query=True, error_feedback=False),
+    "per-tensor-powersgd-reuse": lambda: PerTensor(PowerSGD(1, reuse_query=True)),
+}
+
+
+@pytest.mark.parametrize("make", _MEMORY_CODECS.values(), ids=_MEMORY_CODECS.keys())
+def test_a_non_finite_input_leaves_no_memory_behind(comm, make):
+    """An infinity in one rank's input (an overflow GradScaler skips) shows in that exchange's
+    result on every rank and leaves no non-finite residual or warm start: the next exchanges
+    are finite again (a residual of inf - inf = NaN made every later one NaN)."""
+    codec = make()
+    for step in range(3):
+        x = _x(comm.rank, n=16, step=step)
+        if step == 0 and comm.rank == comm.size - 1:
+            x[3] = float("inf")
+        out = _run(codec, x, comm, step=step, shapes=[torch.Size([4, 4])])
+        assert bool(torch.isfinite(out).all()) == (step > 0), f"step {step}: {out}"
+
+    def tensors(state):
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, dict):
+                yield from tensors(v)
+
+    assert all(bool(torch.isfinite(t).all()) for t in tensors(codec.state_for(0)))
+
+
+def test_clipped_keeps_infinities(comm):
+    """Clipped clamps finite values only: an infinity stays one (clamped to the limit, as SINGA
+    did, an overflow passed unseen by GradScaler and check_finite)."""
+    from heatlike.engine.codecs import Clipped
+
+    for codec in (Clipped(Identity(), 1.0), Clipped(Cast(torch.float16), 100.0),
+                  Clipped(TopK(k=2), 1.0)):
+        x = _x(comm.rank, n=8) * 10
+        if comm.rank == comm.size - 1:
+            x[5] = float("-inf")
+        codec.pre(x)
+        out = _run(codec, x, comm)
+        assert not bool(torch.isfinite(out).all()), codec.name
+        assert float(out[5]) == float("-inf") or bool(torch.isnan(out).any()), codec.name
+        finite = torch.isfinite(out)
+        assert bool((out[finite].abs() <= 1.0 * comm.size + 1e-6).all()) or \
+            isinstance(codec.inner, Cast), codec.name
+
+
+def test_scaled_sign_keeps_exactly_what_it_does_not_send_in_float64():
+    """The scale travels as float32; the residual is made with that same rounded scale, so
+    input + old residual = what was sent + new residual to float64's rounding (the float64
+    scale in the residual lost 1e-8 a step)."""
+    comm = hl.MPI_WORLD.Split(hl.MPI_WORLD.rank)  # (one rank: the identity is this rank's)
+    codec = ScaledSign()
+    residual = torch.zeros(33, dtype=torch.float64)
+    for step in range(3):
+        x = _x(0, n=33, step=step).double() / 3
+        total = x + residual
+        out = _run(codec, x, comm, step=step)
+        residual = codec.state_for(0)["residual"]
+        assert float((out + residual - total).abs().max()) < 1e-15, f"step {step}"
+
+
 def test_scaled_signs_of_large_half_precision_values(comm):
     """Each decoded term is exactly +-s_r (no intermediate 2 s_r, which overflows float16 above
     32752): float16 inputs of magnitude 40000 decode to the sum of the scaled signs."""

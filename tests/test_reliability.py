@@ -2,6 +2,7 @@
 settings, each raising the same error on every rank."""
 
 import logging
+import math
 import re
 import time
 
@@ -13,7 +14,8 @@ from torch import nn
 import heatlike as hl
 from heatlike.core import checks
 from heatlike.core.agreement import agree_on
-from heatlike.engine import Sign, TopK
+from heatlike.engine import Identity, PowerSGD, ScaledSign, Sign, Threshold, TopK
+from heatlike.engine.codecs import Clipped
 from heatlike.nn import DataParallel, verify_replicas
 from heatlike.optim import CentralizedSGD, DataParallelOptimizer
 from heatlike.utils.data import DataLoader
@@ -194,6 +196,37 @@ def test_training_goes_on_after_a_caught_non_finite_step(comm, blocking):
     verify_replicas(net, comm, buffers=False)
 
 
+def test_a_non_finite_step_read_on_one_rank_is_raised_at_the_next_forward(comm):
+    """Non-blocking, ``check_finite``: a read of the parameters between ``step()`` and the next
+    forward on one rank only (a logged norm) applies the failed update there; its
+    FloatingPointError is kept for the next forward, where the other ranks meet theirs, so a
+    loop that skips the batch keeps every rank's collectives in step (the reading rank raised
+    early and skipped the forward's buffer broadcast the others entered)."""
+    if comm.size == 1:
+        pytest.skip("one rank averages nothing: check_finite is checked where gradients meet")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
+    model = DataParallel(net, comm, optimizer=opt, check_finite=True)
+    raised = []
+    for step in range(5):
+        try:
+            x = torch.randn(4, 3)
+            if step == 1 and comm.rank == 0:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            if comm.rank == 0:
+                norm = float(torch.linalg.vector_norm(net[0].weight))  # logged on one rank
+                assert math.isfinite(norm)
+        except FloatingPointError:
+            raised.append(step)
+    model.flush()
+    assert raised == [2]  # the next forward, on every rank
+    verify_replicas(net, comm)
+
+
 def test_centralized_check_finite(comm):
     net = nn.Linear(3, 2)
     opt = CentralizedSGD(model=net, lr=0.1, comm=comm, check_finite=True)
@@ -226,6 +259,54 @@ def test_amp_scaler_skips_together(comm):
         assert scaler.get_scale() == 2.0 ** 7  # skipped and backed off, everywhere
         assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
         verify_replicas(net, comm)
+
+
+@pytest.mark.parametrize("codec", [TopK(ratio=0.5), PowerSGD(1), ScaledSign()],
+                         ids=["topk", "powersgd", "scaled-sign"])
+def test_codec_memory_recovers_after_a_skipped_overflow(comm, codec):
+    """After an overflow that GradScaler skips, a codec with error feedback or a warm start
+    goes on with finite memory: the scale backs off once and the next steps are taken (the
+    NaN residual made every later step overflow: scales 128, 64, 32, ...)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, codec=codec)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    scales = []
+    for step in range(4):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(7 * step + comm.rank))
+        if step == 1 and comm.rank == comm.size - 1:
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales == [2.0 ** 8, 2.0 ** 7, 2.0 ** 7, 2.0 ** 7]
+    assert all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    verify_replicas(net, comm)
+
+
+@pytest.mark.parametrize("make", [Sign, lambda: Threshold(0.3),
+                                  lambda: Clipped(Identity(), 1.0)],
+                         ids=["sign", "threshold", "clipped"])
+def test_codecs_that_do_not_scale_refuse_a_grad_scaler_on_every_rank(comm, make):
+    """Sign's vote counts, Threshold's fixed threshold and Clipped's fixed limit do not scale
+    with the loss scale, so GradScaler's unscaling changed the update (Sign: s times too small):
+    stepping the heatlike optimizer through a scaler raises ValueError on every rank, naming
+    what to use instead."""
+    net = nn.Linear(3, 2)
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, codec=make())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(2, 3)).sum()).backward()
+    with pytest.raises(ValueError, match="does not scale with its input.*without a GradScaler"):
+        scaler.step(opt)
+    opt.zero_grad()
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()  # without a scaler it trains
+    verify_replicas(net, comm)
 
 
 def test_settings_must_agree(comm):

@@ -63,6 +63,9 @@ class Codec:
     single_round = False   # one Sum round that is one collective on any communicator
     carries_flags = False  # small integers in the tensor survive exactly (flags may ride along)
     stateful = False       # keeps state between exchanges (residuals, warm starts)
+    #: the result for inputs scaled by s is s times the result for the inputs (GradScaler's
+    #: scale then divides out of the decoded gradients exactly as out of plain ones)
+    scale_equivariant = True
 
     #: where the values given to the codec carry a loss scale that changes between exchanges
     #: (``torch.amp.GradScaler``): a function returning the scale of the values of the
@@ -308,6 +311,16 @@ def _poison(total: torch.Tensor) -> torch.Tensor:
                       device=total.device)
 
 
+def _keep_finite(ctx: Context, residual: torch.Tensor, finite: bool) -> None:
+    """Keep ``residual`` as the key's error-feedback memory, or, where the exchange's input was
+    not finite (an overflow GradScaler skips), none: a residual of inf - inf = NaN would make
+    every later exchange of the tensor NaN."""
+    if finite:
+        ctx.state["residual"] = residual
+    else:
+        ctx.state.pop("residual", None)
+
+
 class TopK(_Feedback):
     """Send the k entries of largest magnitude (k, or ``ceil(ratio * n)``) as (index, value)
     pairs; ``index_add`` the pairs of every rank."""
@@ -334,7 +347,9 @@ class TopK(_Feedback):
         values = total.index_select(0, indices)  # 3x faster than total[indices] here
         if self.error_feedback:  # the residual: total less what is sent (distinct indices)
             total.index_add_(0, indices, values, alpha=-1)
-            ctx.state["residual"] = total
+            # a NaN or infinity is among the largest, so it is sent: a total that is not
+            # finite shows in the values, and its residual is dropped (inf - inf would be NaN)
+            _keep_finite(ctx, total, all_finite(values))
         gathered = yield Gather([indices.to(_index_dtype(x.numel())), values])
         _scatter_add(x, gathered, ctx)
 
@@ -344,6 +359,7 @@ class Threshold(_Feedback):
     varies between ranks and steps."""
 
     linear = False
+    scale_equivariant = False  # (a loss scale moves the entries across the fixed threshold)
 
     def __init__(self, threshold: float, error_feedback: bool = True) -> None:
         if not threshold >= 0:
@@ -358,7 +374,7 @@ class Threshold(_Feedback):
         values = total.index_select(0, indices)
         if self.error_feedback:  # the residual: total less what is sent (distinct indices)
             total.index_add_(0, indices, values, alpha=-1)
-            ctx.state["residual"] = total
+            _keep_finite(ctx, total, all_finite(values))  # (NaN and infinities are sent)
         gathered = yield Gather([indices.to(_index_dtype(x.numel())), values], variable=True)
         _scatter_add(x, gathered, ctx)
 
@@ -398,7 +414,7 @@ class _RandomSubset(_Feedback):
                 total[chosen] -= values[:-1]
             else:
                 total.index_add_(0, chosen, values[:-1], alpha=-1)
-            ctx.state["residual"] = total
+            _keep_finite(ctx, total, bool(values[-1] == 0))  # (this rank's marker)
         if self.shared:
             yield Sum(values)
             x.zero_()
@@ -529,6 +545,7 @@ class Sign(_Feedback):
     def __init__(self, scaled: bool = False, error_feedback: bool = False) -> None:
         super().__init__(error_feedback)
         self.scaled = scaled
+        self.scale_equivariant = scaled  # vote counts carry no scale; s_r sign_r does
         self.name = ("scaled-sign" if scaled else "sign") + ("-ef" if error_feedback else "")
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
@@ -540,9 +557,13 @@ class Sign(_Feedback):
         # entry is zero"; the nonzero mask itself is only made when a second round needs it
         if not bool(marker.isnan().any()) and n and bool(total.abs().min() == 0):
             marker.fill_(1.0)
-        scale = total.abs().mean() if self.scaled and n else torch.ones((), dtype=x.dtype)
-        if self.error_feedback:  # what is sent, s sign(total) (NaN stays NaN in the residual)
-            self._keep(ctx, total, torch.sign(total).mul_(scale))
+        # s as it travels (float32), so that the residual keeps exactly what is not sent
+        scale = total.abs().mean().to(torch.float32).to(x.dtype) if self.scaled and n else \
+            torch.ones((), dtype=x.dtype)
+        if self.error_feedback:  # what is sent, s sign(total); a total that is not finite
+            self._keep(ctx, total, torch.sign(total).mul_(scale))  # leaves no residual
+            if bool(marker.isnan().any()):
+                ctx.state.pop("residual", None)
         extra = [scale.reshape(1).to(torch.float32)] if self.scaled else []
         gathered = yield Gather([pack_bits(positive), torch.cat([*extra, marker])])
         markers = torch.stack([tail[-1] for _, tail in gathered])
@@ -633,6 +654,9 @@ class PowerSGD(Codec):
         first = torch.cat([p.reshape(-1) for p in ps] + [total[s] for s in plain]) \
             if ps or plain else x[:0]
         yield Sum(first)
+        # a rank's M not finite makes the summed factors so on every rank: the memory of this
+        # exchange (residual, warm start) is then dropped everywhere, and the next starts afresh
+        finite = all_finite(first)
         offset = 0
         for j, p in enumerate(ps):
             ps[j] = _orthonormal(first[offset:offset + p.numel()].view(p.shape))
@@ -654,10 +678,12 @@ class PowerSGD(Codec):
                 _outer_sum(p, q_local, out=m, subtract=True)
             if self.reuse_query:
                 queries[i] = q / ctx.size
+        if not finite:
+            queries.clear()
         if self.error_feedback:
             for s in plain:
                 total[s] = 0
-            state["residual"] = total
+            _keep_finite(ctx, total, finite)
 
 
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
@@ -708,8 +734,10 @@ def _outer_sum(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor,
 
 
 class Clipped(Codec):
-    """Clamp every value to ``[-limit, limit]``, then send it with ``inner`` (SINGA's clipped
-    half-precision all-reduce: ``Clipped(Cast(torch.float16), 100)``)."""
+    """Clamp every finite value to ``[-limit, limit]``, then send it with ``inner`` (SINGA's
+    clipped half-precision all-reduce: ``Clipped(Cast(torch.float16), 100)``). Infinities are
+    not clamped (SINGA's clamp made them the limit): an overflow stays visible to
+    ``GradScaler`` and ``check_finite``, as with every codec."""
 
     def __init__(self, inner: Codec, limit: float) -> None:
         if not limit > 0:
@@ -717,12 +745,16 @@ class Clipped(Codec):
         super().__init__()
         self.inner, self.limit = inner, float(limit)
         self.linear, self.stateful = inner.linear, inner.stateful
+        self.scale_equivariant = False  # (the limit is fixed: a scale changes what is clipped)
         self.single_round = inner.single_round
         self.states = inner.states
         self.name = f"clipped-{limit}-{inner.name}"
 
     def pre(self, x: torch.Tensor) -> None:
-        x.clamp_(-self.limit, self.limit)
+        if all_finite(x):
+            x.clamp_(-self.limit, self.limit)
+        else:  # infinities stay: clamped to the limit, an overflow would pass unseen
+            x.copy_(torch.where(torch.isinf(x), x, x.clamp(-self.limit, self.limit)))
         self.inner.pre(x)
 
     def rounds(self, x: torch.Tensor, ctx: Context) -> Rounds:
@@ -750,6 +782,7 @@ class Warmup(Codec):
         self.inner, self.steps = inner, steps
         # every property holds for both phases: the warm-up is Identity's single exact Sum
         self.linear, self.stateful = inner.linear, inner.stateful
+        self.scale_equivariant = inner.scale_equivariant
         self.single_round, self.carries_flags = inner.single_round, inner.carries_flags
         self.states = inner.states
         self.name = f"warmup-{steps}-{inner.name}"
@@ -789,6 +822,7 @@ class PerTensor(Codec):
         super().__init__()
         self.inner = inner
         self.linear, self.stateful = inner.linear, inner.stateful
+        self.scale_equivariant = inner.scale_equivariant
         self.name = f"per-tensor-{inner.name}"
 
     def pre(self, x: torch.Tensor) -> None:

@@ -226,6 +226,7 @@ class DataParallel(torch.nn.Module):
             if self.optimizer is not None:
                 self.optimizer._disarm_guard()
             self._before_forward(defer=False)
+            self._raise_read_error()
 
     def _module_post_hook(self, _module, _args, output) -> None:
         if not self._in_wrapper:
@@ -243,10 +244,19 @@ class DataParallel(torch.nn.Module):
         defer = self._defers and not traced and bool(self.optimizer._pending) and \
             not compiled_parts(self.module)
         self._before_forward(defer)
+        self._raise_read_error()
         self._in_wrapper = True
         if defer and self.optimizer._pending:
             return _WrapperCall(self, ApplyBeforeUse(self.optimizer, self.grad_sync.buckets))
         return None if traced else _WrapperCall(self, None)
+
+    def _raise_read_error(self) -> None:
+        """The error of a deferred update applied for a read between ``step()`` and this
+        forward (``check_finite``), raised here, where the ranks that did not read meet it."""
+        error = getattr(self.optimizer, "_read_error", None)
+        if error is not None:
+            self.optimizer._read_error = None
+            raise error
 
     def _leave(self, output) -> None:
         self._in_wrapper = False
@@ -586,6 +596,9 @@ class _WrapperCall:
             self.mode.__exit__(kind, value, traceback)
         if kind is not None:
             self.model._in_wrapper = False
+            optimizer = self.model.optimizer
+            if optimizer is not None and optimizer._pending:  # the rest stays guarded
+                optimizer._arm_guard()
         return False
 
 

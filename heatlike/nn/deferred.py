@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from .hooks import run_eagerly
 
 __all__ = ["ApplyBeforeUse", "ApplyBeforeRead", "drop_guard", "make_inert", "on_stack",
-           "remove_mode"]
+           "push_under", "remove_mode"]
 
 
 class ApplyBeforeUse(TorchFunctionMode):
@@ -104,15 +104,17 @@ class ApplyBeforeRead(ApplyBeforeUse):
     pass (see the module docstring): reads of metadata pass through, and so does the
     optimizer's own work while it applies an update (``optimizer._applying``). It holds the
     optimizer weakly (a model dropped with an update pending is freed; the guard is then
-    inert, and taken off the stack by the next :func:`drop_guard`)."""
+    inert, and taken off the stack by the next :func:`drop_guard`). It sits at the bottom of
+    the stack (:func:`push_under`), so a mode the program entered before ``step()`` and leaves
+    after it is the one its ``__exit__`` takes off. An error of the update applied for a read
+    (``check_finite``'s FloatingPointError) is kept for the next forward pass, where the other
+    ranks meet it (``optimizer._read_error``); the read sees the parameters of the skipped
+    step."""
 
-    @property
-    def optimizer(self):
-        return self._optimizer()
-
-    @optimizer.setter
-    def optimizer(self, optimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
+    def __init__(self, optimizer, buckets) -> None:
+        super().__init__(optimizer, buckets)
+        self.optimizer = None  # (held weakly: _ref)
+        self._ref = weakref.ref(optimizer)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -120,10 +122,19 @@ class ApplyBeforeRead(ApplyBeforeUse):
         if self.owner:
             hit = _buckets_of(self.owner, args, kwargs)
             if hit and not _metadata_only(func):
-                optimizer = self.optimizer
+                optimizer = self._ref()
                 if optimizer is not None and not optimizer._applying:
-                    self._apply(hit)
+                    run_eagerly(_apply_for_read, self, optimizer, hit)
         return func(*args, **kwargs)
+
+
+def _apply_for_read(guard: ApplyBeforeRead, optimizer, hit: set) -> None:
+    try:
+        optimizer.apply(sorted(hit))
+    except FloatingPointError as error:  # the same bucket fails on every rank, at its forward
+        optimizer._read_error = error
+    pending = set(optimizer._pending)
+    guard.owner = {k: b for k, b in guard.owner.items() if b in pending}
 
 
 def make_inert(guard: ApplyBeforeRead) -> None:
@@ -169,3 +180,17 @@ def remove_mode(mode: TorchFunctionMode) -> bool:
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)
     return True
+
+
+def push_under(mode: TorchFunctionMode) -> None:
+    """Put ``mode`` at the bottom of this thread's torch function mode stack: the modes entered
+    before (``with SomeMode():`` around the step) stay above it, so their ``__exit__``, which
+    takes off the top of the stack, takes them off, not ``mode``."""
+    if getattr(torch._C, "_get_function_stack_at", None) is None:
+        mode.__enter__()
+        return
+    above = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
+    torch._C._push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)

@@ -41,7 +41,7 @@ from torch.optim.optimizer import required
 
 from ..core.agreement import gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
-from ..engine.codecs import Codec, all_finite, codec_error
+from ..engine.codecs import Codec, codec_error
 from ..engine.gradsync import GradientSync
 from ..engine.paramsync import ParameterSync
 from ..engine.reducers import AllReduce, Reducer
@@ -52,6 +52,7 @@ from .wrapping import (
     amp_skip,
     driving_grad_scaler,
     materialized_group,
+    refuse_unscalable,
     synchronized_check,
     track,
     unsynchronized_grads,
@@ -77,25 +78,6 @@ def resolve_world_size(world_size: int | None, comm: MPICommunication) -> int:
     if error is not None:
         raise error
     return comm.size
-
-
-def forget_nonfinite_state(codec: Codec) -> None:
-    """Drop the parts of a stateful codec's state (error-feedback residuals, warm-start queries)
-    that are not finite. A non-finite gradient (an overflow that ``GradScaler`` skips the step
-    for) passes through the codec during backward; without this its memory would stay NaN and
-    poison every later step. The codec then starts that tensor's memory afresh."""
-    if not codec.stateful:
-        return
-    for state in codec.states.values():
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor):
-                if not all_finite(value):
-                    del state[key]
-            elif isinstance(value, dict):
-                for k, v in list(value.items()):
-                    if isinstance(v, torch.Tensor) and \
-                            not all_finite(v):
-                        del value[k]
 
 
 def agreed_denom(denom, comm: MPICommunication) -> float:
@@ -190,7 +172,6 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
 
     def _backward_end(self) -> None:
         self.sync.synchronize()
-        forget_nonfinite_state(self.sync.codec)
 
     # -- the local optimizer and its parameters ----------------------------------------------
 
@@ -226,11 +207,8 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
 
     def _aggregate(self) -> None:
         """Complete this step's gradient averaging (every rank takes part)."""
-        launches = not self.sync.seen_backward or self.sync.unsynced  # no backward synced here
         self.sync.participate()
         self.sync.synchronize()
-        if launches:
-            forget_nonfinite_state(self.sync.codec)
 
     def _new_bytes(self) -> int:
         sent = self.sync.bytes_sent
@@ -250,6 +228,8 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
         name = type(self).__name__
         if self.agg_grad:
             self._aggregate()
+            if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+                refuse_unscalable(self.sync.codec, driving_grad_scaler())
             scales = self.__dict__.get("_scales")
             if scales is not None:
                 scaled = "found_inf" in self.__dict__ or "grad_scale" in self.__dict__

@@ -48,11 +48,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..nn.deferred import ApplyBeforeRead, drop_guard, make_inert, on_stack
+from ..nn.deferred import ApplyBeforeRead, drop_guard, make_inert, on_stack, push_under
 from .wrapping import (
     LossScaleTracker,
     WrappedOptimizer,
     driving_grad_scaler,
+    refuse_unscalable,
     unsynchronized_grads,
 )
 
@@ -85,6 +86,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         self._scales: LossScaleTracker | None = None
         self._guard: ApplyBeforeRead | None = None  # between step() and the next forward
         self._applying = False
+        self._read_error: FloatingPointError | None = None  # raised at the next forward
 
     @property
     def torch_optimizer(self) -> torch.optim.Optimizer:
@@ -183,9 +185,11 @@ class DataParallelOptimizer(WrappedOptimizer):
                 "changed between backward() and step() while their average was still being "
                 "computed (non-blocking DataParallelOptimizer), e.g. by clip_grad_norm_: call "
                 "optimizer.synchronize() before touching .grad, or use blocking=True")
+        scaler = driving_grad_scaler()
+        refuse_unscalable(sync.codec, scaler)
         sync.participate()
         if self._scales is not None:  # the residuals just made are at the driving scaler's scale
-            self._scales.step(driving_grad_scaler())
+            self._scales.step(scaler)
         if self.blocking:
             sync.synchronize()
             return self.optimizer.step(closure)
@@ -209,7 +213,7 @@ class DataParallelOptimizer(WrappedOptimizer):
         else:
             guard.__init__(self, buckets)
         if not on_stack(guard):
-            guard.__enter__()
+            push_under(guard)
 
     def _disarm_guard(self) -> None:
         """Nothing to guard any more (applied, or the forward pass takes over): the guard off

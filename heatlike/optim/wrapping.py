@@ -42,7 +42,7 @@ import torch
 from ..engine.codecs import Codec, label_memory, rescale_memory
 
 __all__ = ["WrappedOptimizer", "materialized_group", "synchronized_check",
-           "unsynchronized_grads", "amp_skip", "track", "driving_grad_scaler",
+           "unsynchronized_grads", "amp_skip", "track", "driving_grad_scaler", "refuse_unscalable",
            "LossScaleTracker"]
 
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -299,6 +299,20 @@ def current_loss_scale(scaler: torch.amp.GradScaler | None) -> float:
     if scaler is None or not scaler.is_enabled() or scaler._scale is None:
         return 1.0
     return float(scaler._scale)
+
+
+def refuse_unscalable(codec: Codec, scaler: torch.amp.GradScaler | None) -> None:
+    """ValueError where ``scaler`` (enabled) drives a step whose gradients ``codec`` exchanged
+    although its result does not scale with its input (:attr:`Codec.scale_equivariant`: Sign's
+    vote counts, Threshold's fixed threshold, Clipped's fixed limit): the scaler's unscaling
+    would divide a result that carries no scale, a silently different model. Every rank drives
+    its step with the same scaler, so every rank raises."""
+    if scaler is None or not scaler.is_enabled() or codec.scale_equivariant:
+        return
+    raise ValueError(
+        f"{codec.name} does not scale with its input, so torch.amp.GradScaler's unscaling of "
+        "its result would change the update: train it without a GradScaler (bfloat16 autocast "
+        "needs none), or use a codec that scales (ScaledSign for Sign, TopK for Threshold)")
 
 
 class LossScaleTracker:
