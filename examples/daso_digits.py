@@ -14,6 +14,7 @@ loss, accuracy and DASO's schedule, then ``test accuracy: 0.XXXX``.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 from mpi4py import MPI
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> float:
                    help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
                         "has a GPU, else cpu (default auto)")
     args = p.parse_args(argv)
+    if args.warmup < 0 or args.cooldown < 0 or args.epochs <= args.warmup + args.cooldown:
+        p.error(f"--epochs ({args.epochs}) must exceed --warmup + --cooldown ({args.warmup} + "
+                f"{args.cooldown}), each >= 0: DASO needs epochs between them")
+    if args.batch_size < 1 or not (math.isfinite(args.lr) and args.lr > 0):
+        p.error("--batch-size must be >= 1 and --lr a number > 0")
     comm = hl.MPI_WORLD
     configure_threads()
     device = select_device(args.device, comm)

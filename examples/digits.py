@@ -16,6 +16,7 @@ prints the loss and test accuracy of every epoch and finally ``test accuracy: 0.
 from __future__ import annotations
 
 import argparse
+import math
 import textwrap
 import time
 
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train with this algorithm of heatlike.recipes instead (see "
                         "below), e.g. powersgd-2, topk-1%%, decentralized")
     args = p.parse_args(argv)
-    if args.epochs < 0 or args.batch_size < 1 or not args.lr > 0:
+    if args.epochs < 0 or args.batch_size < 1 or not (math.isfinite(args.lr) and args.lr > 0):
         p.error("--epochs must be >= 0, --batch-size >= 1 and --lr > 0")
     if args.algorithm and (args.optimizer is not None or args.blocking is not None):
         p.error("--optimizer, --blocking and --non-blocking choose DataParallel's local "

@@ -62,6 +62,14 @@ def positive(text: str) -> int:
     return value
 
 
+def learning_rate(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     names = textwrap.fill(", ".join(sorted(ALGORITHMS)), 96, break_on_hyphens=False,
                           initial_indent="  ", subsequent_indent="  ")
@@ -73,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=non_negative, default=3, help="epochs in all (default 3)")
     parser.add_argument("--batch-size", type=positive, default=16,
                         help="samples per rank and step (default 16)")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    parser.add_argument("--lr", type=learning_rate, default=0.05,
+                        help="learning rate (default 0.05)")
     parser.add_argument("--checkpoint", type=Path, default=Path("digits.ckpt"),
                         help="the checkpoint file, resumed from when it exists "
                              "(default digits.ckpt)")
@@ -84,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                              "never)")
     parser.add_argument("--kill-at", type=non_negative, default=0,
                         help="SIGKILL the last rank at this step, a crash between two saves "
-                             "(default 0: never)")
+                             "(default 0: never; leave it out of the command that resumes)")
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                         help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
                              "has a GPU, else cpu (default auto)")

@@ -364,7 +364,8 @@ def _distopt(mode: str, **options):
         syncs = _DistOptBytes(dist)
         evaluate_model = _averaged(net, comm) if mode == "partial_update" else None
         return Runner(net, step, syncs, eval_model=evaluate_model, optimizer=dist,
-                      grad_syncs=lambda: list(dist._syncs.values()))
+                      grad_syncs=lambda: list(dist._syncs.values()),
+                      bytes_by_label=lambda: {"DistOpt": syncs.bytes_sent})
     return make
 
 
@@ -372,9 +373,11 @@ def _daso(net, comm, lr, epochs: int = 10):
     from .nn import DataParallelMultiGPU
     from .optim import DASO
 
-    warmup = min(1, epochs - 1)  # DASO needs total_epochs > warmup + cooldown
-    daso = DASO(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9), total_epochs=epochs,
-                comm=comm, warmup_epochs=warmup, cooldown_epochs=min(1, epochs - 1 - warmup),
+    # DASO needs total_epochs > warmup + cooldown (no epochs: nothing is trained, DASO for one)
+    total = max(epochs, 1)
+    warmup = min(1, total - 1)
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9), total_epochs=total,
+                comm=comm, warmup_epochs=warmup, cooldown_epochs=min(1, total - 1 - warmup),
                 max_global_skips=4)
     model = DataParallelMultiGPU(net, daso)
     loss_fn = nn.CrossEntropyLoss()
@@ -594,7 +597,7 @@ def train_task(name: str, comm: MPICommunication, task: Task, epochs: int = 10, 
     if on_runner is not None:
         on_runner(runner)
     loader = DataLoader(Dataset(x_train, y_train), batch_size=task.batch_size, seed=seed,
-                        progress=progress)
+                        progress=progress, comm=comm)
     times: list[float] = []
     points: list[EpochPoint] = []
     elapsed = 0.0

@@ -60,3 +60,21 @@ def test_digits_refuses_out_of_range_settings(comm, option, capsys):
     with pytest.raises(SystemExit):
         _example("digits").main(option)
     assert "--epochs must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-0.05", "nan", "inf"])
+def test_resume_refuses_a_learning_rate_out_of_range(comm, value, capsys, tmp_path):
+    """(before: --lr 0 trained nothing, --lr nan gave NaN weights, both reported an accuracy)"""
+    with pytest.raises(SystemExit):
+        _example("resume").main(["--lr", value, "--checkpoint", str(tmp_path / "x.ckpt")])
+    assert "must be a number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [["--epochs", "3"], ["--epochs", "0"], ["--warmup", "-1"],
+                                     ["--batch-size", "0"], ["--lr", "nan"]])
+def test_daso_digits_refuses_settings_daso_cannot_train_with(comm, options, capsys):
+    """A usage error naming the options (before: a traceback from DASO's constructor in its
+    parameter names, or NaN weights for --lr nan)."""
+    with pytest.raises(SystemExit):
+        _example("daso_digits").main(options)
+    assert "--" in capsys.readouterr().err

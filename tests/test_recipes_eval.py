@@ -134,6 +134,27 @@ def test_train_task_stops_at_the_target_without_a_curve(comm):
     assert len(runs["never"][0].step_times) == 2 * len(one.step_times)
 
 
+def test_train_task_splits_the_data_over_the_communicator_it_is_given(comm):
+    """Each rank trains alone on a communicator of its own: every batch of the whole set (the
+    data were split over the world, so each rank saw 1/P of them, and a call made by some
+    ranks only hung in the loader's setup)."""
+    import math
+
+    alone = comm.Split(comm.rank)
+    task = recipes.digits_task(0, _digits())
+    task.batch_size = 128
+    result = recipes.train_task("allreduce", alone, task, epochs=1, curve=False)
+    assert len(result.step_times) == math.ceil(len(task.data[0]) / task.batch_size)
+    alone.Free()
+
+
+def test_daso_with_no_epochs_evaluates_the_untrained_model(comm):
+    """(it built DASO with warmup_epochs=-1 and raised)"""
+    task = recipes.digits_task(0, _digits())
+    result = recipes.train_task("daso", comm, task, epochs=0, curve=False)
+    assert result.step_times == [] and 0.0 <= result.accuracy <= 1.0
+
+
 def test_the_average_of_differing_replicas_averages_their_batchnorm_statistics(comm):
     """Decentralized methods are scored with the ranks' average model: its BatchNorm running
     statistics too (before: each rank scored its shard with its own statistics)."""
