@@ -703,3 +703,69 @@ def test_a_parameter_group_outside_the_model_is_refused(comm):
                  comm=comm, warmup_epochs=1, cooldown_epochs=1)
     with pytest.raises(ValueError, match="not among them"):
         DataParallelMultiGPU(net, other)
+
+
+def test_a_second_phase_over_the_same_local_optimizer_keeps_the_replicas_equal(comm, nodes):
+    """Wrapping the module again with a new DASO over the local optimizer of the first phase,
+    whose momentum DASO left different on each node: the warmup takes rank 0's state, so the
+    replicas are equal after every epoch (they stayed 0.1 apart for good: the gradient warmup
+    assumed equal states)."""
+    net = Net()
+    local = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for phase in range(2):
+        daso = DASO(local, total_epochs=3, comm=comm, warmup_epochs=1, cooldown_epochs=1)
+        model = DataParallelMultiGPU(net, daso)
+        _train(daso, model, 3, 4, losses=[1.0] * 3,
+               check=lambda e, model=model: _identical_everywhere(comm, model))
+        daso.close()
+
+
+def test_a_grad_scaler_stepping_daso_raises_on_every_rank(comm, nodes):
+    """torch's recipe ``scaler.step(daso)`` skipped step() on the ranks whose own gradients
+    overflowed while the others waited for them; DASO steps through its scaler itself
+    (``add_scaler``), and a scaler stepping it raises ValueError naming that recipe."""
+    net = Net()
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.05), total_epochs=3, comm=comm,
+                warmup_epochs=1, cooldown_epochs=1)
+    model = DataParallelMultiGPU(net, daso)
+    daso.last_batch = 2
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = _data(0, B, seed=comm.rank + 1)
+    scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+    with pytest.raises(ValueError, match="daso.add_scaler"):
+        scaler.step(daso)
+
+
+def test_reduce_lr_on_plateau_is_refused_as_daso_s_scheduler(comm):
+    net = Net()
+    local = torch.optim.SGD(net.parameters(), lr=0.05)
+    with pytest.raises(TypeError, match="ReduceLROnPlateau needs one"):
+        DASO(local, total_epochs=3, comm=comm, warmup_epochs=1, cooldown_epochs=1,
+             scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(local))
+
+
+def test_last_batch_lowered_in_an_epoch_merges_everything_at_its_end(comm, nodes):
+    """``last_batch`` lowered in the middle of an epoch (still above the position) while a
+    synchronization is in flight: the epoch's last batch merges it (its merge batch, counted
+    from the old end, came in the next epoch, applying an old change on the new reference)."""
+    net = Net()
+    daso = DASO(torch.optim.SGD(net.parameters(), lr=0.05), total_epochs=20, comm=comm,
+                warmup_epochs=0, cooldown_epochs=1, max_global_skips=4, local_skip_factor=2)
+    model = DataParallelMultiGPU(net, daso)
+    lowered = False
+    for e in range(12):
+        daso.last_batch = 8
+        b = 0
+        while b < daso.last_batch:
+            x, y = _data(e * 8 + b, B, seed=comm.rank + 1)
+            daso.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            daso.step()
+            if daso.batches_to_wait == 2 and b == 4 and not lowered and daso._pending:
+                lowered = True
+                daso.last_batch = 6
+            b += 1
+        assert not daso._pending, f"epoch {e}: in flight after its last batch"
+        daso.epoch_loss_logic(1.0)
+        _identical_everywhere(comm, model)
+    assert lowered

@@ -196,35 +196,47 @@ def test_training_goes_on_after_a_caught_non_finite_step(comm, blocking):
     verify_replicas(net, comm, buffers=False)
 
 
-def test_a_non_finite_step_read_on_one_rank_is_raised_at_the_next_forward(comm):
-    """Non-blocking, ``check_finite``: a read of the parameters between ``step()`` and the next
-    forward on one rank only (a logged norm) applies the failed update there; its
-    FloatingPointError is kept for the next forward, where the other ranks meet theirs, so a
-    loop that skips the batch keeps every rank's collectives in step (the reading rank raised
-    early and skipped the forward's buffer broadcast the others entered)."""
+def test_a_non_finite_step_is_refused_whole_on_every_rank_in_non_blocking_mode(comm):
+    """Non-blocking, ``check_finite``: the ranks agree on the step's verdict at ``step()``
+    and every rank raises there with nothing applied, as blocking mode skips the whole step.
+    (Buckets were checked one by one as the next forward used them: the finite ones used before
+    the failing one were stepped, and a rank that read the parameters in between, e.g. a norm
+    logged on rank 0, applied them in another order or raised at another point, so replicas
+    drifted apart or the ranks fell out of step.)"""
     if comm.size == 1:
         pytest.skip("one rank averages nothing: check_finite is checked where gradients meet")
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
-    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
-    model = DataParallel(net, comm, optimizer=opt, check_finite=True)
-    raised = []
-    for step in range(5):
-        try:
-            x = torch.randn(4, 3)
-            if step == 1 and comm.rank == 0:
-                x[0, 0] = float("inf")
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
-            if comm.rank == 0:
-                norm = float(torch.linalg.vector_norm(net[0].weight))  # logged on one rank
-                assert math.isfinite(norm)
-        except FloatingPointError:
-            raised.append(step)
-    model.flush()
-    assert raised == [2]  # the next forward, on every rank
-    verify_replicas(net, comm)
+
+    def run(blocking):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2))
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                    blocking=blocking)
+        model = DataParallel(net, comm, optimizer=opt, check_finite=True,
+                             bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
+        step_now = [0]
+        if comm.rank == 0:  # the last layer's gradient (the first bucket) overflows at step 1
+            net[3].weight.register_hook(lambda g: g * float("inf") if step_now[0] == 1 else g)
+        raised = []
+        for step in range(5):
+            step_now[0] = step
+            g = torch.Generator().manual_seed(10 * step + comm.rank)
+            try:
+                opt.zero_grad()
+                model(torch.randn(4, 3, generator=g)).sum().backward()
+                opt.step()
+                if comm.rank == 0 and not blocking:
+                    norm = float(torch.linalg.vector_norm(net[0].weight))  # logged on rank 0
+                    assert math.isfinite(norm)
+            except FloatingPointError:
+                raised.append(step)
+        model.flush()
+        verify_replicas(net, comm, buffers=False)  # (each rank's own batch statistics)
+        return raised, [p.detach().clone() for p in net.parameters()]
+
+    (raised_b, blocking), (raised_n, deferred) = run(True), run(False)
+    assert raised_b == raised_n == [1]  # blocking: in backward; non-blocking: at step()
+    for a, b in zip(blocking, deferred):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), "the refused step changed something"
 
 
 def test_centralized_check_finite(comm):

@@ -578,6 +578,34 @@ def test_reads_stay_guarded_through_modes_compiled_code_and_failed_forwards(comm
 
 
 @pytest.mark.mpi
+def test_the_guard_keeps_a_default_device_at_the_bottom_and_leaves_with_flush(comm):
+    """``torch.set_default_device`` keeps its context at the bottom of the mode stack, where
+    torch checks for it (the guard went under it: setting the device again raised
+    AssertionError and lost the context); a guard made inert inside its own call is taken off by
+    ``flush()`` (it stayed until the next forward, at about 2 us per torch call)."""
+    if comm.size == 1:
+        pytest.skip("one rank updates at once: nothing is deferred")
+    torch.set_default_device("cpu")
+    try:
+        net = _net()
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=False)
+        model = DataParallel(net, comm, optimizer=opt)
+        for step in range(2):
+            x, y = _data(step, comm.rank)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            torch.set_default_device("cpu")  # set again between step() and the forward
+            float(torch.linalg.vector_norm(net[0].weight))  # a read applies the update
+        model.flush()
+        left = [type(torch._C._get_function_stack_at(i)).__name__
+                for i in range(torch._C._len_torch_function_stack())]
+        assert left == ["DeviceContext"], left
+    finally:
+        torch.set_default_device(None)
+
+
+@pytest.mark.mpi
 def test_a_loop_that_reads_parameters_only_in_the_forward_keeps_the_overlap(comm):
     """The guard against early reads lets through what does not read a parameter's values:
     the next batch, metadata (shapes, devices), ``zero_grad`` and LR schedulers between

@@ -843,6 +843,28 @@ class GradientSync:
             self.active = False
         return used
 
+    def agree_finite(self) -> None:
+        """Collective, with ``check_finite``, before a deferred update applies any bucket: the
+        ranks agree whether some rank's own gradients of this cycle were non-finite (each rank
+        checked its own as they were packed), and if so every rank completes the exchanges,
+        ends the cycle and raises FloatingPointError here, with nothing applied (buckets
+        checked one by one as the next forward uses them were applied in that order, so the
+        finite ones used before the failing one were stepped, and on a rank that read the
+        parameters first, in another order). A sum that overflows from finite gradients is
+        still caught bucket by bucket (:meth:`unpack`)."""
+        pending = self.pending()
+        mine = sorted({self.names[i] for b in pending for i in self._local_bad.get(b, ())})
+        error = FloatingPointError(f"non-finite gradients of {mine[:5]}"
+                                   f"{' ...' if len(mine) > 5 else ''} (check_finite)") \
+            if mine else None
+        try:
+            raise_together(error, self.comm)
+        except FloatingPointError:
+            for b in pending:
+                self.wait(b)
+            self.active = False
+            raise
+
     def _fail_nonfinite(self, bucket: Bucket) -> None:
         """Complete the cycle's other exchanges, end the cycle, raise FloatingPointError."""
         for other in range(len(self.buckets)):

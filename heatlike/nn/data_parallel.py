@@ -253,10 +253,8 @@ class DataParallel(torch.nn.Module):
     def _raise_read_error(self) -> None:
         """The error of a deferred update applied for a read between ``step()`` and this
         forward (``check_finite``), raised here, where the ranks that did not read meet it."""
-        error = getattr(self.optimizer, "_read_error", None)
-        if error is not None:
-            self.optimizer._read_error = None
-            raise error
+        if self.optimizer is not None:
+            self.optimizer._raise_read_error()
 
     def _leave(self, output) -> None:
         self._in_wrapper = False

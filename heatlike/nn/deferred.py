@@ -183,14 +183,18 @@ def remove_mode(mode: TorchFunctionMode) -> bool:
 
 
 def push_under(mode: TorchFunctionMode) -> None:
-    """Put ``mode`` at the bottom of this thread's torch function mode stack: the modes entered
-    before (``with SomeMode():`` around the step) stay above it, so their ``__exit__``, which
-    takes off the top of the stack, takes them off, not ``mode``."""
+    """Put ``mode`` at the bottom of this thread's torch function mode stack (above a
+    ``torch.set_default_device`` context, which must stay the lowest): the modes entered before
+    (``with SomeMode():`` around the step) stay above it, so their ``__exit__``, which takes off
+    the top of the stack, takes them off, not ``mode``."""
     if getattr(torch._C, "_get_function_stack_at", None) is None:
         mode.__enter__()
         return
     above = [torch._C._pop_torch_function_stack()
              for _ in range(torch._C._len_torch_function_stack())]
+    # torch.set_default_device's DeviceContext must stay at the very bottom (its exit checks)
+    if above and type(above[-1]).__name__ == "DeviceContext":
+        torch._C._push_on_torch_function_stack(above.pop())
     torch._C._push_on_torch_function_stack(mode)
     for other in reversed(above):
         torch._C._push_on_torch_function_stack(other)

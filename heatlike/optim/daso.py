@@ -86,9 +86,15 @@ from ..engine.codecs import Cast
 from ..engine.exchange import Context, Lane
 from ..engine.links import SimulatedLink
 from ..engine.reducers import AllReduce
-from ..engine.replicas import average_tensors, broadcast_tensors
+from ..engine.replicas import average_tensors, broadcast_optimizer_state, broadcast_tensors
 from ..nn.buffers import ModuleBuffers
-from .wrapping import WrappedOptimizer, materialized_group, synchronized_check, unsynchronized_grads
+from .wrapping import (
+    WrappedOptimizer,
+    driving_grad_scaler,
+    materialized_group,
+    synchronized_check,
+    unsynchronized_grads,
+)
 
 __all__ = ["DASO", "PlateauDetector"]
 
@@ -315,6 +321,10 @@ class DASO(WrappedOptimizer):
         self._buffers = self._float_buffers()
         self._tensors = [p for p in model.parameters() if p.requires_grad] + self._buffers
         self._frozen = [p for p in model.parameters() if not p.requires_grad]  # never synced
+        # the warmup relies on equal replicas, optimizer states included: a local optimizer
+        # stepped or loaded per rank before (a second training phase after DASO's node-local
+        # states) takes rank 0's, as the parameters do
+        broadcast_optimizer_state(self.local_optimizer, self.comm, root=0)
         self._replicas_agree = self._node_agrees = self._node_states_agree = True
         size = sum(t.numel() for t in self._tensors)
         device = self._tensors[0].device if self._tensors else torch.device("cpu")
@@ -423,6 +433,11 @@ class DASO(WrappedOptimizer):
         if self.module is None:
             raise RuntimeError("DASO has no model: wrap it with "
                                "heatlike.nn.DataParallelMultiGPU(module, daso)")
+        if driving_grad_scaler() is not None:  # a rank whose gradients overflow would not call
+            raise ValueError(                   # step(), and the others would wait for it
+                "DASO steps through its GradScaler itself: call daso.add_scaler(scaler) once "
+                "and daso.step() (not scaler.step(daso); DASO also calls scaler.update()), so "
+                "that a step is skipped on every rank together")
         if self._lost_position is not None:  # the same on every rank: every rank raises
             size, batch = self._lost_position
             raise ValueError(
@@ -460,7 +475,9 @@ class DASO(WrappedOptimizer):
         b, final = self.current_batch, self.last_batch - 1
         if self.trace is not None and self.local_sync_now():
             self.trace.append((self.epoch, b, "local"))
-        for sync in [s for s in self._pending if s.receive_at <= b]:
+        # (at the epoch's last batch everything in flight is merged: last_batch may have been
+        # lowered since a synchronization was sent, after the batch it was due in)
+        for sync in [s for s in self._pending if s.receive_at <= b or b == final]:
             self._pending.remove(sync)
             self._receive(sync, blocking=False)
         gs = self.global_skip
@@ -885,6 +902,9 @@ def _check_arguments(args: dict) -> Exception | None:
     if scheduler is not None and not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         return TypeError("scheduler must be a torch.optim.lr_scheduler scheduler object, got "
                          f"{type(scheduler).__name__}")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return TypeError("DASO steps its scheduler after every step, without a metric; "
+                         "ReduceLROnPlateau needs one: step it yourself (scheduler.step(loss))")
     for name in ("use_mpi_groups", "verbose"):
         if not isinstance(args[name], bool):
             return TypeError(f"{name} must be a bool, got {type(args[name]).__name__}")

@@ -196,6 +196,8 @@ class DataParallelOptimizer(WrappedOptimizer):
         pending = sync.pending()
         if not pending:  # averaged already (synchronize(), GradScaler): nothing to overlap
             return self.optimizer.step()
+        if sync.check_finite:  # the verdict for the whole step, on every rank, before any bucket
+            sync.agree_finite()
         self._pending = pending
         self._hyperparams = [{k: _value_now(v) for k, v in g.items() if k != "params"}
                              for g in self.optimizer.param_groups]
@@ -230,9 +232,17 @@ class DataParallelOptimizer(WrappedOptimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def flush(self) -> None:
-        """Apply every pending deferred update now."""
+        """Apply every pending deferred update now (and raise the error of one applied for a
+        read since ``step()``, where the other ranks meet theirs)."""
         if self._pending:
             self.apply(list(self._pending))
+        self._disarm_guard()  # (one made inert inside its own call is taken off here)
+        self._raise_read_error()
+
+    def _raise_read_error(self) -> None:
+        error, self._read_error = self._read_error, None
+        if error is not None:
+            raise error
 
     def apply(self, buckets: Sequence[int]) -> None:
         """Apply the deferred update of the given pending buckets (waiting for their
