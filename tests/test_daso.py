@@ -712,7 +712,7 @@ def test_a_second_phase_over_the_same_local_optimizer_keeps_the_replicas_equal(c
     assumed equal states)."""
     net = Net()
     local = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    for phase in range(2):
+    for _phase in range(2):
         daso = DASO(local, total_epochs=3, comm=comm, warmup_epochs=1, cooldown_epochs=1)
         model = DataParallelMultiGPU(net, daso)
         _train(daso, model, 3, 4, losses=[1.0] * 3,
