@@ -152,8 +152,8 @@ def _wait_files(prefix: Path, count: int, timeout: float = 120,
 
 def test_bad_arguments_are_clear():
     assert parse_rate("1gbit") == 125e6 and parse_rate("10GBIT") == 1.25e9
-    for bad in ("fast", "0gbit", "-1mbit", "1 gigabit", ""):
-        with pytest.raises(ValueError, match="link rate"):
+    for bad in ("fast", "0gbit", "-1mbit", "1 gigabit", "", "40tbit", "0.001bit"):
+        with pytest.raises(ValueError, match="link rate"):  # (tc refused the last two)
             parse_rate(bad)
     assert parse_sizes("2,1") == [2, 1] and parse_sizes("3x2") == [2, 2, 2]
     assert parse_sizes([1, 1]) == [1, 1]
@@ -300,6 +300,12 @@ def test_no_traffic_is_reported(cluster, tmp_path, capsys):
     assert r.returncode == 0 and r.crossed is False, r.report()
     assert r.to_launcher > 0 and r.between_nodes < cl.MIN_BYTES
     assert "did not talk over the network" in r.warning and "WARNING" in r.report()
+    # ranks that only print (3 MB to the launcher) still did not talk: the bridge's counter
+    # lacks each frame's Ethernet header, which made 14 bytes per packet look like node traffic
+    chatty = cluster.run(["sh", "-c", "head -c 3000000 /dev/zero | tr '\\0' a | fold -w 100"],
+                         [1, 1], timeout=120)
+    assert chatty.returncode == 0 and chatty.to_launcher > 3_000_000, chatty.report()
+    assert chatty.between_nodes < cl.MIN_BYTES and chatty.crossed is False, chatty.report()
     with pytest.raises(TrafficError, match="did not talk over the network") as e:
         cluster.run(["true"], timeout=120, require_traffic=True)
     assert e.value.result.crossed is False
@@ -361,6 +367,22 @@ def test_up_down_idempotent_and_leave_nothing():
         assert again.subnet == subnet and again.is_up()
         assert VirtualCluster.existing(c.name).rate == "500mbit"
         assert sorted(_netns(c.name)) == [f"{c.name}-n1", f"{c.name}-n2"]
+        # a rate tc cannot take changes nothing (the cluster was removed and not made again)
+        with pytest.raises(ValueError, match="link rate"):
+            VirtualCluster([1, 1], rate="40tbit", name=c.name).up()
+        assert VirtualCluster.existing(c.name).rate == "500mbit"
+        # other sizes while a process runs on a node: refused, nothing ended
+        busy = subprocess.Popen(["ip", "netns", "exec", f"{c.name}-n1", "sleep", "60"])
+        try:
+            deadline = time.monotonic() + 10
+            while not cl._netns_pids(f"{c.name}-n1") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(ClusterError, match="process.* running on its nodes"):
+                VirtualCluster([1, 1, 1], name=c.name).up()
+            assert busy.poll() is None
+        finally:
+            busy.kill()
+            busy.wait()
         bigger = VirtualCluster([1, 1, 1], name=c.name).up()
         assert sorted(_netns(c.name)) == [f"{c.name}-n{i}" for i in (1, 2, 3)]
         (bigger.state_dir / "cluster.json").unlink()  # the state is lost

@@ -220,6 +220,10 @@ def _size(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
+ETHERNET_HEADER = 14  # bytes a veth's transmit counter adds to each frame the bridge counts
+MIN_RATE, MAX_RATE = 1e3, 1e12  # bytes per second tc's token bucket takes here (8 kbit, 8 tbit)
+
+
 def parse_rate(rate: str) -> float:
     """Bytes per second of a ``tc`` rate (``1gbit``, ``500mbit``, ``10gbit``, ``125mbps``).
     Raises ValueError for anything else."""
@@ -227,7 +231,10 @@ def parse_rate(rate: str) -> float:
     if not m or float(m.group(1)) <= 0:
         raise ValueError(f"link rate {rate!r} is not valid: expected a positive number followed "
                          f"by one of {', '.join(_RATE_UNITS)} (e.g. 1gbit)")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
+    if not MIN_RATE <= value <= MAX_RATE:
+        raise ValueError(f"link rate {rate!r} is out of range: from 8kbit to 8tbit")
+    return value
 
 
 def parse_sizes(spec: Sequence[int] | str) -> list[int]:
@@ -487,12 +494,23 @@ class VirtualCluster:
             self.owner = [os.getpid(), (_reaper._start_time(os.getpid()) or b"").decode()]
         with _locked():
             _remove_orphans()
-            with contextlib.suppress(ClusterError):
+            parse_rate(self.rate)  # before anything is changed
+            try:
                 old = VirtualCluster.existing(self.name)
-                if old.sizes == self.sizes:
-                    self.subnet = old.subnet
-                    self.set_rate(self.rate)  # also records the owner
-                    return self
+            except ClusterError:  # none, or incomplete: created again
+                old = None
+            if old is not None and old.sizes == self.sizes:
+                self.subnet = old.subnet
+                self.set_rate(self.rate)  # also records the owner
+                return self
+            if old is not None:
+                busy = sum(len(_netns_pids(n.netns)) for n in old.nodes)
+                if busy:
+                    raise ClusterError(
+                        f"cluster {self.name!r} ({','.join(map(str, old.sizes))}) has {busy} "
+                        f"process(es) running on its nodes: recreating it with nodes "
+                        f"{','.join(map(str, self.sizes))} would end them. Take it down first "
+                        f"(down), or use another --name")
             self._remove()
             try:
                 self._create()
@@ -627,8 +645,12 @@ class VirtualCluster:
     def to_launcher(self) -> int:
         """Bytes the nodes have sent to the machine itself since ``up`` (what the bridge passed
         up to the machine's own network stack: ``mpiexec``'s control connections, ARP)."""
+        stats = Path(f"/sys/class/net/{self.bridge}/statistics")
         try:
-            return int(Path(f"/sys/class/net/{self.bridge}/statistics/rx_bytes").read_text())
+            # the bridge counts frames without their 14-byte Ethernet header, which the nodes'
+            # own transmit counters include
+            return int((stats / "rx_bytes").read_text()) + \
+                ETHERNET_HEADER * int((stats / "rx_packets").read_text())
         except (OSError, ValueError):
             raise ClusterError(f"cluster {self.name!r} has no bridge {self.bridge}") from None
 
@@ -824,7 +846,8 @@ def _all_names() -> list[str]:
     names = {p.parent.name for p in STATE_ROOT.glob("*/cluster.json")}
     for line in _cmd("ip", "netns", "list", check=False).stdout.splitlines():
         m = re.fullmatch(r"([a-z][a-z0-9]{0,7})-n[0-9]+", line.split()[0] if line.strip() else "")
-        if m:
+        # (a namespace of that pattern is a cluster's only with the cluster's bridge beside it)
+        if m and Path(f"/sys/class/net/{m.group(1)}-br").exists():
             names.add(m.group(1))
     return sorted(names)
 
@@ -913,6 +936,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterError, ValueError) as e:
         print(f"{prefix} {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the state directory (its lock) cannot be made or opened
+        print(f"{prefix} {e.strerror or e}: {e.filename or STATE_ROOT} (run as root; "
+              f"HEATLIKE_CLUSTER_STATE names another state directory)", file=sys.stderr)
+        return 2
 
 
 def _slurm(c: VirtualCluster, opts: argparse.Namespace, cmd: list[str], prefix: str) -> int:
@@ -946,6 +973,14 @@ def _run(c: VirtualCluster, opts: argparse.Namespace, cmd: list[str], prefix: st
 
     if not cmd:
         raise ValueError("run: give the command after --")
+    if opts.timeout is not None and not opts.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {opts.timeout}")
+    if opts.min_bytes < 0:
+        raise ValueError(f"--min-bytes must be >= 0, got {opts.min_bytes}")
+    if opts.json:  # checked before the job runs: its result would be lost after
+        target = Path(opts.json)
+        if not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+            raise ValueError(f"--json {opts.json}: cannot write a file in {target.parent}")
     per_node = opts.ranks_per_node
     if per_node is not None:
         try:
