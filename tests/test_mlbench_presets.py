@@ -13,7 +13,8 @@ from torch import nn
 import heatlike as hl
 from heatlike import aggregation as agg
 from heatlike import optim
-from heatlike.engine import Cast, RandomK, TopK
+from heatlike.engine import Cast, RandomK, Sign, Threshold, TopK
+from heatlike.engine.codecs import Clipped
 
 pytestmark = pytest.mark.mpi
 B = 4
@@ -1150,3 +1151,19 @@ def test_fp16_optimizer_stops_at_min_scale(comm):
                 fp.step()
         else:
             assert not fp.step() and fp.loss_scale == 2.0
+
+
+@pytest.mark.parametrize("make", [Sign, lambda: Clipped(Cast(torch.float16), 100.0),
+                                  lambda: Threshold(0.01, error_feedback=False)],
+                         ids=["sign", "clipped-fp16", "threshold"])
+def test_presets_refuse_a_grad_scaler_with_a_codec_that_does_not_scale(comm, make):
+    """(stateless codecs were stepped through GradScaler's unscale: Sign's step 1024 times too
+    small, Clipped's limit applied in scaled units)"""
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    opt = optim.CentralizedSGD(model=net, lr=0.1, codec=make(), comm=comm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt.zero_grad()
+    scaler.scale(net(torch.randn(4, 8)).square().sum()).backward()
+    with pytest.raises(ValueError, match="does not scale with its input"):
+        scaler.step(opt)

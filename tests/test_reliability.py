@@ -1,6 +1,7 @@
 """Consistency checks, deadlines, replica verification, non-finite detection and agreement on
 settings, each raising the same error on every rank."""
 
+import contextlib
 import logging
 import math
 import re
@@ -16,7 +17,7 @@ from heatlike.core import checks
 from heatlike.core.agreement import agree_on
 from heatlike.engine import Identity, PowerSGD, ScaledSign, Sign, Threshold, TopK
 from heatlike.engine.codecs import Clipped
-from heatlike.nn import DataParallel, verify_replicas
+from heatlike.nn import DataParallel, Join, verify_replicas
 from heatlike.optim import CentralizedSGD, DataParallelOptimizer
 from heatlike.utils.data import DataLoader
 
@@ -237,6 +238,42 @@ def test_a_non_finite_step_is_refused_whole_on_every_rank_in_non_blocking_mode(c
     assert raised_b == raised_n == [1]  # blocking: in backward; non-blocking: at step()
     for a, b in zip(blocking, deferred):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), "the refused step changed something"
+
+
+@pytest.mark.parametrize("case", ["scaler-under-join", "synchronize-under-join",
+                                  "one-rank-reads-param-groups"])
+def test_the_step_s_verdict_needs_no_collective_of_its_own(comm, case):
+    """check_finite's verdict is a sum every rank starts after its last bucket, met wherever a
+    rank first writes a bucket back: ranks that completed the averaging early (GradScaler's
+    unscale, synchronize() before clipping, param_groups read on one rank) and Join's standing-in
+    ranks stay in step (a verdict collective at step() was skipped by the ones and entered by
+    the others: a hang)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
+    model = DataParallel(net, comm, optimizer=opt, check_finite=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0) if case == "scaler-under-join" else None
+    join = Join([model]) if case.endswith("join") else contextlib.nullcontext()
+    with join:
+        for s in range(1 + 2 * comm.rank if case.endswith("join") else 3):
+            g = torch.Generator().manual_seed(100 * comm.rank + s)
+            x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                continue
+            loss.backward()
+            if case == "synchronize-under-join":
+                opt.synchronize()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            elif comm.rank == 0:
+                assert opt.param_groups[0]["lr"] == 0.1
+            opt.step()
+    model.flush()
+    verify_replicas(net, comm)
 
 
 def test_centralized_check_finite(comm):

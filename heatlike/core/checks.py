@@ -967,6 +967,10 @@ ORPHANS: list[object] = []
 # at a creation of a communicator, where freeing is agreed among the ranks.
 FINISHED: list[object] = []
 _driving = [False]
+#: objects whose exchanges in flight every polled wait advances (``drive()``, never blocking):
+#: a multi-phase exchange issues its next phase only when tested, so a rank blocked in another
+#: collective would otherwise hold back a rank that waits for that exchange
+DRIVEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def adopt(requests) -> None:
@@ -978,10 +982,12 @@ def adopt(requests) -> None:
 def drive_orphans() -> None:
     """Test every orphaned request once (never blocks); forget those that completed, or failed
     (a job that is failing already reports its error elsewhere)."""
-    if not ORPHANS or _driving[0]:
+    if (not ORPHANS and not DRIVEN) or _driving[0]:
         return
     _driving[0] = True
     try:
+        for owner in list(DRIVEN):
+            owner.drive()
         keep = []
         for request in list(ORPHANS):
             try:

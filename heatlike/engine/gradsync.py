@@ -294,6 +294,7 @@ class GradientSync:
         self.names = list(names) if names is not None else \
             [f"parameter {i}" for i in range(len(self.params))]
         self._requests: dict[int, Request] = {}
+        self._touching = False  # inside _engine_touches (drive() then leaves the buffers alone)
         self._flag_requests: dict[str, Request] = {}  # the solo buckets' flags ("flags")
         self._held: tuple[int, int] | None = None  # reported, to take at the next event
         self._contexts: dict[int, Context] = {}  # each bucket's last exchange (its support)
@@ -323,6 +324,7 @@ class GradientSync:
         self._hooks = [on_gradient(p, self._on_grad)
                        for p in self.params] if hooks and not self.passthrough else []
         remove_when_dropped(self, self._hooks)
+        _checks.DRIVEN.add(self)
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         # each cycle is a training step on the communicator's step board; heatlike.nn.Join
@@ -355,6 +357,8 @@ class GradientSync:
         self._inplace_now = False
         self._payload: dict[int, torch.Tensor] = {}  # bucket -> the .grad it sums in place
         self._flags_started = False  # the solo flags' sum of this cycle has been started
+        self._finite_started = self._finite_checked = False  # (check_finite's verdict)
+        self._finite_flag = torch.zeros(1)
 
     def _rebuild(self) -> None:
         """Collective (once, at the start of the second cycle): re-plan the buckets in rank 0's
@@ -395,6 +399,9 @@ class GradientSync:
         if self.posts_steps:
             self._board.post()
         self._wait_flags()  # a cycle ended without its last bucket unpacked (an error)
+        leftover = self._flag_requests.pop("finite", None)
+        if leftover is not None and not leftover.done:
+            leftover.Wait()
         if self._cycles == 2 and self._hooks and not self.codec.stateful:
             self._rebuild()
         self.active = True
@@ -404,6 +411,7 @@ class GradientSync:
         self._payload.clear()
         self._solo_view[:] = 0
         self._flags_started = False
+        self._finite_started = self._finite_checked = False
         self._held = None
         self._callback_queued = False
         for marks in self._marked:
@@ -652,7 +660,11 @@ class GradientSync:
             buffer = self._payload_of(b)
             if buffer._version != self._versions.get(b, buffer._version):
                 self._tampered.add(b)
-        operation()
+        self._touching = True
+        try:
+            operation()
+        finally:
+            self._touching = False
         for b in flying:
             self._versions[b] = self._payload_of(b)._version
 
@@ -722,6 +734,14 @@ class GradientSync:
             # a phase of the engine's step, like the exchanges: not checked again at issue
             self._flag_requests["flags"] = Request(_phase(
                 lambda: self.reducer.start_flags(self._solo_flags)))
+        if self.check_finite and not self._finite_started:
+            # once per cycle on every rank, after every bucket: how many ranks' own gradients
+            # of this cycle were non-finite (each checked its own as they were packed)
+            self._finite_started = True
+            bad = any(self._local_bad.get(b) for b in range(len(self.buckets)))
+            self._finite_flag = torch.tensor([1.0 if bad else 0.0])
+            self._flag_requests["finite"] = Request(_phase(
+                lambda: self.reducer.start_flags(self._finite_flag)))
         self.unsynced = False
         # the backward pass is over: from here on only the user changes these gradients (taken
         # now, as gradients that are views of one buffer share one version counter)
@@ -784,6 +804,8 @@ class GradientSync:
     def unpack(self, b: int) -> list[torch.nn.Parameter]:
         """Write bucket ``b``'s averages into ``.grad`` of the parameters some rank used; returns
         those parameters."""
+        if self.check_finite:
+            self.agree_finite()
         self.wait(b)
         bucket = self.buckets[b]
         payload = self._payload.get(b)
@@ -843,27 +865,48 @@ class GradientSync:
             self.active = False
         return used
 
+    def drive(self) -> None:
+        """Advance this cycle's exchanges in flight without waiting (called by every polled wait
+        of the program, :data:`heatlike.core.checks.DRIVEN`): a rank waiting in another
+        collective (a buffer broadcast) still issues the next phases of its multi-phase sums,
+        which a rank that applies a deferred update early (a read after ``step()``) waits
+        for."""
+        if self.active and not self._touching and \
+                any(not r.done for r in self._requests.values()):
+            # (as the engine's own waits: the buffers it writes are noted as its writes)
+            self._engine_touches(lambda: [r.Test() for r in list(self._requests.values())
+                                          if not r.done])
+
     def agree_finite(self) -> None:
-        """Collective, with ``check_finite``, before a deferred update applies any bucket: the
-        ranks agree whether some rank's own gradients of this cycle were non-finite (each rank
-        checked its own as they were packed), and if so every rank completes the exchanges,
-        ends the cycle and raises FloatingPointError here, with nothing applied (buckets
-        checked one by one as the next forward uses them were applied in that order, so the
-        finite ones used before the failing one were stepped, and on a rank that read the
-        parameters first, in another order). A sum that overflows from finite gradients is
-        still caught bucket by bucket (:meth:`unpack`)."""
-        pending = self.pending()
-        mine = sorted({self.names[i] for b in pending for i in self._local_bad.get(b, ())})
-        error = FloatingPointError(f"non-finite gradients of {mine[:5]}"
-                                   f"{' ...' if len(mine) > 5 else ''} (check_finite)") \
-            if mine else None
-        try:
-            raise_together(error, self.comm)
-        except FloatingPointError:
-            for b in pending:
+        """With ``check_finite``, before any bucket of the cycle is written back (:meth:`unpack`
+        calls it, and a deferred ``step()``): the verdict of the sum every rank started after its
+        last bucket (:meth:`launch_all`), whether some rank's own gradients of this cycle were
+        non-finite. If so, this rank completes the exchanges, ends the cycle and raises
+        FloatingPointError naming the parameters, with nothing written back. Each rank meets
+        the verdict where it first writes a bucket back (the next forward, ``synchronize()``,
+        ``step()``), with no collective in between, so the ranks stay in step whichever of
+        these comes first on each (buckets checked one by one as the next forward used them
+        were applied in that order: the finite ones used before the failing one were stepped).
+        A sum that overflows from finite gradients is still caught bucket by bucket."""
+        request = self._flag_requests.get("finite")
+        if request is None or self._finite_checked:
+            return
+        if not request.done:
+            _checks.wait(request, lambda: "the sum of the gradients' non-finite flags",
+                         request._board, request._seq, watch=self._board.check)
+        self._flag_requests.pop("finite", None)
+        self._finite_checked = True
+        if float(self._finite_flag[0]) == 0:
+            return
+        for b in range(len(self.buckets)):
+            if b in self._requests:
                 self.wait(b)
-            self.active = False
-            raise
+        for bucket in self.buckets:
+            payload = self._payload.get(bucket.index)
+            if not all_finite(bucket.values if payload is None else payload):
+                self._fail_nonfinite(bucket)
+        self.active = False
+        raise FloatingPointError("non-finite gradients on some rank (check_finite)")
 
     def _fail_nonfinite(self, bucket: Bucket) -> None:
         """Complete the cycle's other exchanges, end the cycle, raise FloatingPointError."""

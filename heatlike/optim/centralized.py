@@ -228,8 +228,7 @@ class GenericCentralizedOptimizer(WrappedOptimizer):
         name = type(self).__name__
         if self.agg_grad:
             self._aggregate()
-            if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
-                refuse_unscalable(self.sync.codec, driving_grad_scaler())
+            refuse_unscalable(self.sync.codec, driving_grad_scaler())
             scales = self.__dict__.get("_scales")
             if scales is not None:
                 scaled = "found_inf" in self.__dict__ or "grad_scale" in self.__dict__

@@ -193,11 +193,11 @@ class DataParallelOptimizer(WrappedOptimizer):
         if self.blocking:
             sync.synchronize()
             return self.optimizer.step(closure)
+        if sync.check_finite:  # the step's verdict before any bucket is applied (no collective)
+            sync.agree_finite()
         pending = sync.pending()
         if not pending:  # averaged already (synchronize(), GradScaler): nothing to overlap
             return self.optimizer.step()
-        if sync.check_finite:  # the verdict for the whole step, on every rank, before any bucket
-            sync.agree_finite()
         self._pending = pending
         self._hyperparams = [{k: _value_now(v) for k, v in g.items() if k != "params"}
                              for g in self.optimizer.param_groups]
