@@ -90,7 +90,7 @@ import sys
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -967,10 +967,20 @@ ORPHANS: list[object] = []
 # at a creation of a communicator, where freeing is agreed among the ranks.
 FINISHED: list[object] = []
 _driving = [False]
-#: objects whose exchanges in flight every polled wait advances (``drive()``, never blocking):
-#: a multi-phase exchange issues its next phase only when tested, so a rank blocked in another
-#: collective would otherwise hold back a rank that waits for that exchange
+#: objects whose exchanges in flight every polled wait advances (``drive()``, never blocking),
+#: while :func:`driving` holds them: a multi-phase exchange issues its next phase only when
+#: tested, so a rank blocked in another collective would hold back a rank waiting for it
 DRIVEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def driving(owner) -> Iterator[None]:
+    """Within the block, every polled wait advances ``owner``'s exchanges (``owner.drive()``)."""
+    DRIVEN.add(owner)
+    try:
+        yield
+    finally:
+        DRIVEN.discard(owner)
 
 
 def adopt(requests) -> None:

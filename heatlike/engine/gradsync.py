@@ -324,7 +324,6 @@ class GradientSync:
         self._hooks = [on_gradient(p, self._on_grad)
                        for p in self.params] if hooks and not self.passthrough else []
         remove_when_dropped(self, self._hooks)
-        _checks.DRIVEN.add(self)
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         # each cycle is a training step on the communicator's step board; heatlike.nn.Join

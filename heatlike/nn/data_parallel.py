@@ -25,6 +25,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from ..core import checks as _checks
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
 from ..core.env import env_float
@@ -268,6 +269,14 @@ class DataParallel(torch.nn.Module):
                                    "averages gradients; build a new one to train")
             self.grad_sync.check_layout("DataParallel")
             self._check_parameters()
+        # the collectives below (Join's notification, the buffers' broadcast) advance this
+        # model's sums in flight while they wait: a rank that applied a deferred update early
+        # (a read after step()) waits for their next phases
+        pending = self.optimizer is not None and bool(self.optimizer._pending)
+        with _checks.driving(self.grad_sync) if pending else contextlib.nullcontext():
+            self._collectives_before_forward(defer)
+
+    def _collectives_before_forward(self, defer: bool) -> None:
         begins = False  # under Join: whether this forward begins an iteration
         if self._join is not None and self.training:
             begins = self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled, self)
