@@ -10,6 +10,7 @@ type (float32), Python ints int64, numpy arrays keep their dtype.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -85,10 +86,10 @@ def _as_local_tensor(obj: object, dtype: torch.dtype | None = None) -> torch.Ten
     if isinstance(obj, (str, bytes)):
         raise TypeError(f"cannot build a DNDarray from {type(obj).__name__}")
     if dtype is not None and is_integer(dtype):
-        try:  # numpy 2 raises OverflowError for a Python integer out of the type's range
+        # numpy 2 raises OverflowError for a Python integer out of the type's range; data numpy
+        # cannot convert (nested tensors, ...) are left to torch's conversion below
+        with contextlib.suppress(TypeError, ValueError, KeyError):
             return torch.from_numpy(np.array(obj, dtype=numpy_dtype(dtype)))
-        except (TypeError, ValueError, KeyError):  # (torch's conversion decides)
-            pass
     try:
         return torch.tensor(obj, dtype=dtype)
     except (TypeError, ValueError, RuntimeError):

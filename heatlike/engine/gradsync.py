@@ -865,11 +865,11 @@ class GradientSync:
         return used
 
     def drive(self) -> None:
-        """Advance this cycle's exchanges in flight without waiting (called by every polled wait
-        of the program, :data:`heatlike.core.checks.DRIVEN`): a rank waiting in another
-        collective (a buffer broadcast) still issues the next phases of its multi-phase sums,
-        which a rank that applies a deferred update early (a read after ``step()``) waits
-        for."""
+        """Advance this cycle's exchanges in flight without waiting (called by the polled waits
+        inside :func:`heatlike.core.checks.driving`, which the wrapper's forward puts around its
+        own collectives): a rank waiting in another collective (the buffer broadcast) still
+        issues the next phases of its multi-phase sums, which a rank that applied a deferred
+        update early (a read after ``step()``) waits for."""
         if self.active and not self._touching and \
                 any(not r.done for r in self._requests.values()):
             # (as the engine's own waits: the buffers it writes are noted as its writes)

@@ -129,12 +129,13 @@ class ApplyBeforeRead(ApplyBeforeUse):
 
 
 def _apply_for_read(guard: ApplyBeforeRead, optimizer, hit: set) -> None:
+    """Apply the buckets ``hit`` for a read (``optimizer.apply`` also narrows the guard's
+    ``owner`` to what is still pending). check_finite's error is kept for the next forward or
+    ``flush()``, where the ranks that did not read meet theirs."""
     try:
         optimizer.apply(sorted(hit))
-    except FloatingPointError as error:  # the same bucket fails on every rank, at its forward
+    except FloatingPointError as error:
         optimizer._read_error = error
-    pending = set(optimizer._pending)
-    guard.owner = {k: b for k, b in guard.owner.items() if b in pending}
 
 
 def make_inert(guard: ApplyBeforeRead) -> None:
