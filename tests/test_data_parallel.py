@@ -507,13 +507,18 @@ def _same_sum(comm, a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
     """Bitwise equal where the sums' grouping cannot depend on the element count: 2 ranks (one
     addition), or MPICH's all-reduce on one node or on at most two nodes of at most two ranks
     (where the node-aware sum, which a bucket's byte size selects, groups as MPICH does); else
-    equal to the last bit's rounding."""
+    equal to the last bit's rounding. With the host buffers' shared-memory sum on
+    (``HEATLIKE_NODE_REDUCE_HOST=1``), on one node of more than two ranks a bucket's byte size
+    also selects that sum (rank order), which groups otherwise."""
     from mpi4py import MPI
 
+    from heatlike.core import _nodereduce
     from heatlike.core.topology import get_topology
 
     topo = get_topology(comm)
     grouped_alike = topo.num_nodes == 1 or (topo.num_nodes <= 2 and max(topo.local_sizes) <= 2)
+    grouped_alike = grouped_alike and not (comm.size > 2 and _nodereduce.host_enabled() and
+                                           _nodereduce.one_node(comm))
     if comm.size <= 2 or ("MPICH" in MPI.Get_library_version() and grouped_alike):
         assert torch.equal(a, b), msg
     else:

@@ -93,6 +93,18 @@ def _complete(comm, mode, sendbuf, recvbuf):
         serial.Free()
 
 
+def _check_both_forms(comm, mode, x, out, expected, exact):
+    """In place and into ``out``, completed by ``mode``: the expected sum, the same in both
+    forms, bitwise the same on every rank."""
+    inplace = x.clone()
+    _complete(comm, mode, hl.IN_PLACE, inplace)
+    _complete(comm, mode, x, out)
+    _assert_sum(inplace, expected, exact, (x.numel(), mode))
+    assert torch.equal(out, inplace), (x.numel(), mode)
+    everyone = comm.handle.allgather(inplace.view(torch.uint8).numpy().tobytes())
+    assert all(b == everyone[0] for b in everyone)
+
+
 @pytest.mark.parametrize("shots", ["one", "two"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_node_sum_is_the_rank_order_sum_on_every_rank(comm, taken, monkeypatch, dtype,
@@ -109,15 +121,9 @@ def test_the_node_sum_is_the_rank_order_sum_on_every_rank(comm, taken, monkeypat
         x = _values(comm, n, dtype, salt=k)
         expected = rank_order_sum(comm, x)
         for mode in ("blocking", "Wait", "Test", "wait_all"):
-            inplace = x.clone()
-            out = torch.zeros(2 * n, dtype=dtype)[::2]
             with _node_path():
-                _complete(comm, mode, hl.IN_PLACE, inplace)
-                _complete(comm, mode, x, out)
-            _assert_sum(inplace, expected, one_node, (n, mode))
-            assert torch.equal(out, inplace), (n, mode)
-            everyone = comm.handle.allgather(inplace.view(torch.uint8).numpy().tobytes())
-            assert all(b == everyone[0] for b in everyone)
+                _check_both_forms(comm, mode, x, torch.zeros(2 * n, dtype=dtype)[::2],
+                                  expected, one_node)
     if P > 1:  # ranks on several nodes: staged, MPI's order of summation
         assert len(taken) == (len(sizes) * 4 * 2 if one_node else 0)
 
@@ -287,3 +293,163 @@ def test_presets_with_several_sums_in_flight_train_as_staged(comm, taken, name):
     assert abs(acc_staged - acc_node) <= 0.02
     if comm.size > 1 and _one_node(comm):
         assert taken
+
+
+# ---------------------------------------------------------------------------- host buffers
+
+
+def _host_path_applies(comm):
+    """Where plain host buffers take the node-local sum: several ranks on one real node that no
+    emulated layout (HEATLIKE_RANKS_PER_NODE / HEATLIKE_NODE_IDS) splits."""
+    from heatlike.core.topology import detect_node_ids
+    return comm.size > 1 and _one_node(comm) and len(set(detect_node_ids(comm))) == 1
+
+
+@pytest.fixture
+def small_host(monkeypatch):
+    """Host buffers of 256 bytes and more take the path (the tests' buffers are small), which
+    ``HEATLIKE_NODE_REDUCE_HOST=1`` turns on."""
+    monkeypatch.setattr(_nodereduce, "HOST_MIN_BYTES", 256)
+    monkeypatch.setenv("HEATLIKE_NODE_REDUCE_HOST", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64],
+                         ids=str)
+def test_host_buffers_are_summed_through_the_node(comm, taken, small_host, monkeypatch, dtype):
+    """Plain host tensors (no staging) of ``HOST_MIN_BYTES`` and more: blocking calls and calls
+    on a serial communicator take the shared-memory sum where the ranks share a node, and every
+    rank gets the rank-order sum, bitwise the same everywhere, at every chunk boundary (one
+    element less than a chunk, a chunk, one more, many chunks and a part; the shard boundaries
+    inside a short last chunk); across nodes (the virtual cluster's, or emulated ones) MPI's
+    all-reduce as before."""
+    applies = _host_path_applies(comm)
+    P = comm.size
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    chunk = 96  # elements
+    monkeypatch.setattr(_nodereduce, "HOST_CHUNK_BYTES", chunk * itemsize)
+    sizes = [256 // itemsize, chunk - 1, chunk, chunk + 1, chunk + P - 1, 7 * chunk + 3]
+    sizes = [n for n in sizes if n * itemsize >= 256]
+    for k, n in enumerate(sizes):
+        x = _values(comm, n, dtype, salt=k)
+        expected = rank_order_sum(comm, x)
+        for mode in ("blocking", "Wait", "Test", "wait_all"):
+            _check_both_forms(comm, mode, x, torch.zeros(n, dtype=dtype), expected, applies)
+    assert len(taken) == (len(sizes) * 4 * 2 if applies else 0)
+
+
+def test_large_host_sums_keep_two_chunks_of_shared_memory(comm, taken, monkeypatch):
+    """A sum of three chunks (the default chunk) keeps the workspace at one chunk per slot and
+    gives the rank-order sum."""
+    monkeypatch.setenv("HEATLIKE_NODE_REDUCE_HOST", "1")
+    chunk = _nodereduce.HOST_CHUNK_BYTES // 4
+    with comm.Dup() as fresh:
+        x = _values(comm, 3 * chunk + 1, torch.float32)
+        expected = rank_order_sum(comm, x)
+        fresh.Allreduce(hl.IN_PLACE, x, MPI.SUM)
+        _assert_sum(x, expected, _host_path_applies(comm))
+        if _host_path_applies(comm):
+            assert fresh._hub.node.slot_bytes == _nodereduce.HOST_CHUNK_BYTES
+            assert taken == [3 * chunk + 1]
+        else:
+            assert taken == []
+
+
+def test_host_buffers_outside_the_path_go_to_mpi(comm, taken, small_host, monkeypatch):
+    """Below ``HOST_MIN_BYTES``, non-blocking on an ordinary communicator, another op,
+    ``HEATLIKE_NODE_REDUCE_HOST=0`` or unset (the default), ``HEATLIKE_NODE_REDUCE=0``,
+    ``enabled(False)``: MPI's all-reduce, same sums."""
+    x = _values(comm, 1000, torch.float32)
+    expected = rank_order_sum(comm, x)
+
+    def summed(call=None):
+        got = x.clone()
+        (call or (lambda b: comm.Allreduce(hl.IN_PLACE, b, MPI.SUM)))(got)
+        return got
+
+    monkeypatch.setattr(_nodereduce, "HOST_MIN_BYTES", 4001)
+    torch.testing.assert_close(summed(), expected, rtol=1e-6, atol=1e-5)
+    monkeypatch.setattr(_nodereduce, "HOST_MIN_BYTES", 256)
+    torch.testing.assert_close(
+        summed(lambda b: comm.Iallreduce(hl.IN_PLACE, b, MPI.SUM).Wait()), expected,
+        rtol=1e-6, atol=1e-5)
+    maxed = summed(lambda b: comm.Allreduce(hl.IN_PLACE, b, MPI.MAX))
+    assert torch.equal(maxed, torch.stack(comm.handle.allgather(x)).amax(0))
+    for var in ("HEATLIKE_NODE_REDUCE_HOST", "HEATLIKE_NODE_REDUCE"):
+        monkeypatch.setenv(var, "0")
+        torch.testing.assert_close(summed(), expected, rtol=1e-6, atol=1e-5)
+        monkeypatch.setenv(var, "1")
+    monkeypatch.delenv("HEATLIKE_NODE_REDUCE_HOST")  # off by default
+    torch.testing.assert_close(summed(), expected, rtol=1e-6, atol=1e-5)
+    with _nodereduce.enabled(False):
+        torch.testing.assert_close(summed(), expected, rtol=1e-6, atol=1e-5)
+    assert taken == []
+    monkeypatch.setenv("HEATLIKE_NODE_REDUCE_HOST", "1")
+    summed()  # and the path itself, once, where it applies
+    assert len(taken) == (1 if _host_path_applies(comm) else 0)
+
+
+def test_too_little_shared_memory_on_one_rank_turns_the_host_path_off_everywhere(
+        comm, taken, small_host, monkeypatch):
+    """A node whose /dev/shm cannot hold the workspaces (as in a container's default 64 MiB):
+    one rank's shortfall is agreed before any window is made, every rank sums through MPI from
+    then on, nothing hangs."""
+    real = _nodereduce._shm_shortfall
+    monkeypatch.setattr(_nodereduce, "_shm_shortfall",
+                        lambda n: "/dev/shm has 1 MiB free" if comm.rank == 0 else real(n))
+    with comm.Dup() as fresh:
+        x = _values(comm, 1000, torch.float64)
+        for _ in range(2):
+            got = x.clone()
+            fresh.Allreduce(hl.IN_PLACE, got, MPI.SUM)
+            torch.testing.assert_close(got, rank_order_sum(comm, x), rtol=1e-12, atol=1e-12)
+        node = fresh._hub.node
+        if _host_path_applies(comm):
+            assert node is not None and not node.usable and node.views == []
+    assert taken == []
+
+
+def test_shm_shortfall_reads_the_free_space(monkeypatch):
+    """The reason names the free space and the need; none where twice the need is free."""
+    import shutil
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))
+    assert _nodereduce._shm_shortfall(16 << 20) == ""
+    reason = _nodereduce._shm_shortfall(48 << 20)
+    assert "64 MiB free" in reason and "48 MiB" in reason
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])
+def test_data_parallel_sums_host_buckets_through_the_node(comm, taken, monkeypatch, blocking):
+    """With the path on and nothing forced, DataParallel's host buckets take the shared-memory
+    sum on one node (on the engine's private channels) and train the model that MPI's sums train
+    (exactly at two ranks, where a sum has one order)."""
+    monkeypatch.setattr(_nodereduce, "HOST_MIN_BYTES", 16)  # every bucket of the small model
+    monkeypatch.setenv("HEATLIKE_NODE_REDUCE_HOST", "1")
+    with _nodereduce.enabled(False):
+        plain = train_small_mlp(comm, blocking, contextlib.nullcontext())
+    assert taken == []
+    node = train_small_mlp(comm, blocking, contextlib.nullcontext())
+    for a, b in zip(plain, node):
+        if comm.size <= 2:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(taken) == (4 * 3 if _host_path_applies(comm) else 0)
+
+
+def test_one_emulated_node_reads_the_world_layout(comm, monkeypatch):
+    """The emulated layout is the world's: all ranks on node 0 is one node, alternating nodes is
+    several (where there are two ranks or more), and a layout of another length is not read as
+    one node (no error: the path is only not taken)."""
+    P = MPI.COMM_WORLD.Get_size()
+    handle = comm.handle
+    monkeypatch.setenv("HEATLIKE_NODE_IDS", ",".join(["0"] * P))
+    assert _nodereduce._one_emulated_node(handle)
+    monkeypatch.setenv("HEATLIKE_NODE_IDS", ",".join(str(r % 2) for r in range(P)))
+    assert _nodereduce._one_emulated_node(handle) == (P == 1)
+    monkeypatch.setenv("HEATLIKE_NODE_IDS", ",".join(["0"] * (P + 1)))
+    assert not _nodereduce._one_emulated_node(handle)
+    monkeypatch.delenv("HEATLIKE_NODE_IDS")
+    monkeypatch.setenv("HEATLIKE_RANKS_PER_NODE", "1")
+    assert _nodereduce._one_emulated_node(handle) == (P == 1)

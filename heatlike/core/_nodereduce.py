@@ -1,4 +1,5 @@
-"""Node-local all-reduce through the peers' memory: device buffers summed on the device.
+"""Node-local all-reduce through the peers' memory: device buffers summed on the device, host
+buffers through a shared-memory window.
 
 Without a CUDA-aware MPI library a device buffer is staged: copied to host memory, reduced by
 MPI there, copied back. When every rank of the communicator shares one node and one GPU, each
@@ -48,9 +49,17 @@ set-up failure on any rank (a handle that does not open, a mapping torch does no
 turns the path off on every rank, agreed, and is logged. ``HEATLIKE_NODE_REDUCE=0`` or
 :func:`enabled` (False) turn it off. Other ops, dtypes and sizes are staged as before.
 
-Without a GPU the same protocol runs on host tensors under ``force_staging`` with
-:func:`host_mode` (the workspaces are an MPI shared-memory window), which is how the suite tests
-it.
+Host buffers take the same protocol with ``HEATLIKE_NODE_REDUCE_HOST=1`` (off by default:
+against MPICH's own all-reduce it won at three ranks and at 64 MiB and lost at several sizes at
+two and four ranks; docs/communication.md has the figures), their workspaces an MPI shared-memory
+window, always in two shots: ``MPI.SUM`` of at least :data:`HOST_MIN_BYTES` over a communicator
+whose ranks share one node, real and emulated (:func:`one_node`). A buffer larger than
+:data:`HOST_CHUNK_BYTES` is summed chunk by chunk, each chunk a reduction of its own in the next
+slot (so the slots, and the shared memory, stay two chunks per rank). Before a window is made the
+ranks agree that ``/dev/shm`` has room for it: a full tmpfs kills the process that touches it
+instead of failing the allocation. Under ``force_staging`` with :func:`host_mode` host tensors
+stand in for device buffers (the device path's one or two shots), which is how the suite tests
+that protocol without a GPU.
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
+import shutil
 from collections.abc import Iterator
 
 import torch
@@ -69,8 +80,10 @@ from .cuda_aware import loaded_libraries
 from .env import env_flag
 from .log import get_logger
 
-__all__ = ["applies", "possible", "enabled", "host_mode", "NodeAllreduce", "release",
-           "ONE_SHOT_BYTES", "MIN_BYTES"]
+__all__ = ["applies", "possible", "possible_for", "one_node", "enabled", "host_enabled",
+           "host_mode",
+           "NodeAllreduce", "release", "ONE_SHOT_BYTES", "MIN_BYTES", "HOST_MIN_BYTES",
+           "HOST_CHUNK_BYTES", "HOST_ONE_SHOT_BYTES"]
 
 _SUM = MPI.SUM.py2f()
 _DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
@@ -86,6 +99,15 @@ ONE_SHOT_BYTES = 16 << 20
 #: the other processes' time slices (about 0.4 ms at 2 ranks on an H100), which a staged copy
 #: through the copy engine does not
 MIN_BYTES = 1 << 20
+#: host buffers from this size on are summed through a shared-memory window where the ranks
+#: share a node (smaller ones: MPI's all-reduce, which wins on latency)
+HOST_MIN_BYTES = 1 << 20
+#: larger host sums run chunk by chunk through two slots of this size per rank (the shared memory
+#: a communicator keeps: ``/dev/shm`` on Linux, often small in containers)
+HOST_CHUNK_BYTES = 4 << 20
+#: host sums read at most this many bytes of the peers' workspaces in one shot: none (reading
+#: every peer's whole buffer costs more memory bandwidth than the second barrier saves)
+HOST_ONE_SHOT_BYTES = 0
 
 _log = get_logger("heatlike.communication")
 _override: bool | None = None
@@ -124,11 +146,71 @@ def _on() -> bool:
 
 def possible(t: torch.Tensor) -> bool:
     """Whether reductions of ``t``'s kind may take the node-local path (what every rank's call
-    shares; the communicator is checked by :func:`applies`)."""
-    if t.numel() * t.element_size() < MIN_BYTES or t.dtype not in _DTYPES or \
-            not (t.is_cuda or (_host and t.device.type == "cpu")):
+    shares; the communicator is checked by :func:`applies`): see :func:`possible_for`."""
+    return possible_for(t.numel() * t.element_size(), t.dtype, t.device, _buffers.staged(t))
+
+
+def possible_for(nbytes: int, dtype: torch.dtype, device: torch.device, staged: bool) -> bool:
+    """Whether sums of ``nbytes`` of ``dtype`` on ``device`` may take the node-local path: a
+    staged device buffer (or, under :func:`host_mode`, a staged host buffer) of at least
+    :data:`MIN_BYTES`, or a host buffer of at least :data:`HOST_MIN_BYTES`."""
+    if dtype not in _DTYPES or not _on():
         return False
-    return _buffers.staged(t) and _on()
+    if device.type == "cuda":
+        return nbytes >= MIN_BYTES and staged
+    if device.type != "cpu":
+        return False
+    if staged:
+        return _host and nbytes >= MIN_BYTES
+    return nbytes >= HOST_MIN_BYTES and host_enabled()
+
+
+def host_enabled() -> bool:
+    """Whether host buffers may take the node-local path: ``HEATLIKE_NODE_REDUCE_HOST=1`` (off
+    by default: whether it beats the MPI library's own all-reduce depends on the library, the
+    size and the ranks per node; see docs/communication.md), or inside ``enabled(True)``."""
+    if _override is not None:
+        return _override
+    return bool(env_flag("HEATLIKE_NODE_REDUCE_HOST", False))
+
+
+def one_node(comm) -> bool:
+    """Collective the first time on a communicator (cached there): whether all its ranks share
+    one node's memory and no emulated layout (``HEATLIKE_NODE_IDS``,
+    ``HEATLIKE_RANKS_PER_NODE``, read for the world: :func:`_one_emulated_node`) puts them on
+    several."""
+    hub = comm._hub
+    if hub.one_node is None:
+        shared = comm.handle.Split_type(MPI.COMM_TYPE_SHARED)
+        together = shared.Get_size() == comm.size
+        shared.Free()
+        hub.one_node = together and _one_emulated_node(comm.handle)
+    return hub.one_node
+
+
+def _one_emulated_node(handle: MPI.Intracomm) -> bool:
+    """Whether the emulated layout, if any, puts every rank of ``handle`` on one node (local:
+    the same on every rank, which sees the same environment). The layout is read for the world
+    (``HEATLIKE_NODE_IDS`` lists one node per rank of ``MPI.COMM_WORLD``) and ``handle``'s ranks
+    are looked up in it; a layout that does not describe the world counts as several nodes."""
+    from .topology import _env_node_ids
+
+    world = MPI.COMM_WORLD
+    try:
+        ids = _env_node_ids(world.Get_size())
+    except ValueError:
+        return False
+    if ids is None:
+        return True
+    group, world_group = handle.Get_group(), world.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(group, list(range(handle.Get_size())), world_group)
+    finally:
+        group.Free()
+        world_group.Free()
+    if any(r == MPI.UNDEFINED for r in ranks):
+        return False
+    return len({ids[r] for r in ranks}) == 1
 
 
 def applies(comm, recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
@@ -137,10 +219,18 @@ def applies(comm, recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
     on a communicator (the set-up: where the ranks are, the devices, the runtime)."""
     if not settled or comm.size < 2 or op.py2f() != _SUM or not possible(recv):
         return False
-    if send is not None and (send.dtype is not recv.dtype or not _buffers.staged(send)):
+    if send is not None and (send.dtype is not recv.dtype or send.device != recv.device or
+                             _buffers.staged(send) != _buffers.staged(recv)):
+        return False
+    if not recv.is_cuda and not _buffers.staged(recv) and not one_node(comm):
         return False
     node = _node(comm, recv)
-    return node.usable and node.ensure(recv.numel() * recv.element_size())
+    if node.cuda != recv.is_cuda:  # the communicator's workspaces are of the other kind
+        return False
+    nbytes = recv.numel() * recv.element_size()
+    if not recv.is_cuda and not _buffers.staged(recv):
+        nbytes = min(nbytes, max(1, HOST_CHUNK_BYTES // recv.element_size()) * recv.element_size())
+    return node.usable and node.ensure(nbytes)
 
 
 # ---------------------------------------------------------------------------- CUDA runtime
@@ -274,7 +364,7 @@ class _Node:
         the ranks' being on several nodes is logged)."""
         self.reason = reason
         if reason and reason != _SEVERAL_NODES:
-            _log.info(f"node-local sums of device buffers off on this communicator: {reason}")
+            _log.info(f"node-local sums off on this communicator: {reason}")
         return bool(comm.allreduce(0 if reason else 1, op=MPI.MIN))
 
     def ensure(self, nbytes: int) -> bool:
@@ -287,6 +377,12 @@ class _Node:
             self.current.Wait()
         self._settle()  # this rank's reads of the peers' old workspaces are over
         old = (self._own_ptr, self._peer_ptrs, self._win)
+        if not self.cuda and not self._agree(_shm_shortfall(2 * slot * self.size),
+                                             self.barriers):
+            self._free(*old)  # every rank has settled: no one reads them any more
+            self._own_ptr, self._peer_ptrs, self._win, self.views = None, [], None, []
+            self.usable = False
+            return False
         reason = ""
         try:
             self._allocate(slot)
@@ -317,6 +413,8 @@ class _Node:
             for q in range(self.size):
                 memory, _ = self._win.Shared_query(q)
                 self.views.append(torch.frombuffer(memory, dtype=torch.uint8, count=total))
+            # tmpfs counts pages once written: touched now, the next window's check sees them
+            self.views[self.rank].zero_()
             return
         rt = _cudart()
         handle = b""
@@ -372,6 +470,21 @@ class _Node:
         self.usable = False
 
 
+def _shm_shortfall(nbytes: int) -> str:
+    """Why a shared-memory window of ``nbytes`` should not be made on this node: ``/dev/shm``
+    (where MPI libraries map such windows on Linux; often 64 MiB in containers) has less than
+    twice that free. Touching pages beyond a full tmpfs kills the process (SIGBUS) instead of
+    failing the allocation."""
+    path = "/dev/shm"
+    if not os.path.isdir(path):
+        return ""
+    free = shutil.disk_usage(path).free
+    if free >= 2 * nbytes:
+        return ""
+    return (f"{path} has {free >> 20} MiB free, the node's workspaces need {nbytes >> 20} MiB "
+            f"(twice that is asked for)")
+
+
 def _node(comm, t: torch.Tensor) -> _Node:
     hub = comm._hub
     node = hub.node
@@ -404,21 +517,35 @@ class NodeAllreduce:
         if node.current is not None and not node.current.finished:
             node.current.Wait()  # sums on a node run one after the other, on every rank alike
         node.current = self
-        self.node, self.dst = node, dst.view(-1)
-        n = self.dst.numel()
+        self.node, self.src, self.whole = node, src.reshape(-1), dst.view(-1)
+        n = self.whole.numel()
         self.finished = n == 0
         if self.finished:
             return
-        self.views = node.slot_views(n, dst.dtype)
-        self.one_shot = n * dst.element_size() * (node.size - 1) <= ONE_SHOT_BYTES
-        self.counts, self.displs = counts_displs(n, node.size)
+        staged = _buffers.staged(dst)
+        self.limit = ONE_SHOT_BYTES if node.cuda or staged else HOST_ONE_SHOT_BYTES
+        self.chunk = n if node.cuda or staged else max(1, HOST_CHUNK_BYTES // dst.element_size())
         self.stream = torch.cuda.current_stream(node.device) if node.cuda else None
         self.request: MPI.Request | None = None
         self.event = None
-        self.stage = 0
         if self.stream is not None and node.last is not None:
             self.stream.wait_event(node.last)  # reads of the last sum come before this copy
-        self._queue(lambda: self.views[node.rank].copy_(src.reshape(-1)))
+        self.hi = 0
+        self._next_chunk()
+
+    def _next_chunk(self) -> None:
+        """Start the sum of the next ``chunk`` elements: a reduction of its own in the next slot
+        (the two slots' argument holds chunk by chunk), its first copy queued."""
+        node, lo = self.node, self.hi
+        self.hi = min(lo + self.chunk, self.whole.numel())
+        m = self.hi - lo
+        self.dst = self.whole[lo:self.hi]
+        self.views = node.slot_views(m, self.dst.dtype)
+        self.one_shot = m * self.dst.element_size() * (node.size - 1) <= self.limit
+        self.counts, self.displs = counts_displs(m, node.size)
+        self.stage = 0
+        part = self.src[lo:self.hi]
+        self._queue(lambda: self.views[node.rank].copy_(part))
 
     def _queue(self, work) -> None:
         if self.stream is None:
@@ -474,6 +601,9 @@ class NodeAllreduce:
                     continue
                 self._queue(self._reduce if stage == 1 else self._gather)
             else:  # 4: the gather is queued: work queued after this sees the result
+                if self.hi < self.whole.numel():
+                    self._next_chunk()
+                    continue
                 self.node.last = self.event
                 if self.event is not None:
                     torch.cuda.current_stream(self.node.device).wait_event(self.event)

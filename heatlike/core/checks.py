@@ -223,7 +223,8 @@ class Hub:
     holds may refer to a wrapper of its communicator: an owned wrapper's finalizer keeps the hub,
     to free what it holds with the communicator."""
 
-    __slots__ = ("board", "watched", "count", "steps", "node", "key", "made", "__weakref__")
+    __slots__ = ("board", "watched", "count", "steps", "node", "one_node", "key", "made",
+                 "__weakref__")
 
     def __init__(self, key: str | None = None) -> None:
         self.board: Board | None = None
@@ -231,6 +232,7 @@ class Hub:
         self.count = None
         self.steps = None
         self.node = None  # the node-local reduction's set-up (heatlike.core._nodereduce)
+        self.one_node = None  # whether the ranks share one node (heatlike.core._nodereduce)
         self.key = key
         self.made: dict = {}  # communicators created from this one: count per group (or None)
 

@@ -561,8 +561,17 @@ def _checked(self: MPICommunication, gen: Callable[..., Operation], name: str, b
     return None
 
 
+def _node_candidate(recvbuf) -> bool:
+    """Whether an all-reduce into ``recvbuf`` is large enough that the node-local sum through
+    shared memory may take it (``_nodereduce.applies`` decides, on the general path)."""
+    return type(recvbuf) is _Tensor and recvbuf.nbytes >= _nodereduce.HOST_MIN_BYTES and \
+        _nodereduce.host_enabled()
+
+
 def _direct_allreduce(self: MPICommunication, sendbuf, recvbuf,
                       op: MPI.Op = MPI.SUM) -> Operation | None:
+    if _node_candidate(recvbuf):
+        return None
     specs = _direct_reduction(sendbuf, recvbuf, op)
     if specs is None:
         return None
@@ -1782,7 +1791,7 @@ class MPICommunication:
                             (sendbuf, recvbuf, op), {}, _direct_allreduce)
         if hub.count is not None:
             hub.count[0] += 1
-        specs = _direct_reduction(sendbuf, recvbuf, op)
+        specs = None if _node_candidate(recvbuf) else _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             self.handle.Allreduce(specs[0], specs[1], op)
         else:
@@ -1795,7 +1804,8 @@ class MPICommunication:
                             (sendbuf, recvbuf, op), {}, _direct_allreduce)
         if hub.count is not None:
             hub.count[0] += 1
-        specs = _direct_reduction(sendbuf, recvbuf, op)
+        specs = None if self.serial and _node_candidate(recvbuf) else \
+            _direct_reduction(sendbuf, recvbuf, op)
         if specs is not None:
             return Request(_hold(self.handle.Iallreduce(specs[0], specs[1], op),
                                  sendbuf, recvbuf))

@@ -621,9 +621,15 @@ class GradientSync:
         several chunks, or summed through the node's shared memory (``_nodereduce``); such
         exchanges run one at a time on a private channel. The same on every rank: staging was
         agreed at construction, bucket sizes are equal."""
-        return self.comm.size > 1 and any(
-            staged(b.params[0]) and (b.nbytes > chunk_bytes() or _nodereduce.possible(b.buffer))
-            for b in self.buckets)
+        if self.comm.size < 2:
+            return False
+        if any(staged(b.params[0]) and (b.nbytes > chunk_bytes() or
+                                        _nodereduce.possible(b.buffer)) for b in self.buckets):
+            return True
+        host = any(not staged(b.params[0]) and
+                   _nodereduce.possible_for(b.nbytes, b.params[0].dtype, b.params[0].device, False)
+                   for b in self.buckets)
+        return host and _nodereduce.one_node(self.comm)
 
     def set_reducer(self, reducer: Reducer) -> None:
         """Use ``reducer`` from the next cycle on. Collective, between steps: the old lane's
