@@ -121,3 +121,36 @@ def test_compiled_daso_trains_as_eager(comm, kind):
     eager = train(None)
     torch._dynamo.reset()
     torch.testing.assert_close(train(kind), eager, rtol=1e-6, atol=1e-7)
+
+
+# one algorithm per kind of entry point: DataParallel's (with deferred updates), a preset's
+# engine, FP16Optimizer's backward_loss, DistOpt's backward_and_update, DASO's wrapper
+WHOLE_STEP = ["allreduce-nonblocking", "powersgd-2", "fp16-optimizer", "distopt-fused", "daso"]
+
+
+@pytest.mark.parametrize("name", WHOLE_STEP)
+def test_a_whole_compiled_training_step_trains_as_eager(comm, name):
+    """``torch.compile`` of a whole training step (forward, loss, backward, ``step()``): the
+    optimizers' ``step``/``zero_grad`` and the engine's gradient hooks and end-of-backward
+    callbacks run as plain Python (graph breaks; before, dynamo traced them from the backward
+    pass and failed inside the communication code at every world size but one), so the
+    parameters equal eager training's."""
+
+    def train(compiled: bool):
+        net = _Net()
+        runner = make_runner(name, net, comm, 0.05, 3)
+        step = torch.compile(runner._step, backend=BACKEND) if compiled else runner._step
+        runner.start_epoch(3)
+        for x, y in _batches(comm):
+            step(x, y)
+        runner.end_epoch(1.0)
+        runner.finish()
+        params = [p.detach().clone() for p in runner.eval_model().parameters()]
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+        return torch.cat([p.reshape(-1) for p in params])
+
+    eager = train(False)
+    torch._dynamo.reset()
+    torch.testing.assert_close(train(True), eager, rtol=1e-5, atol=1e-6)

@@ -77,7 +77,6 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
-from torch.autograd import Variable
 from torch.autograd.function import BackwardCFunction
 
 from ..core import _nodereduce
@@ -90,7 +89,7 @@ from ..core.env import env_int
 from .buckets import Bucket, dense, plan_buckets
 from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
-from .hooks import on_gradient, remove_when_dropped
+from .hooks import at_backward_end, eagerly, on_gradient, remove_when_dropped
 from .liveness import board_of
 from .reducers import AllReduce, Reducer, divide
 
@@ -474,10 +473,10 @@ class GradientSync:
         node = _enclosing_node()
         if node is None:
             self._callback_queued = True
-            Variable._execution_engine.queue_callback(self._backward_done)
+            at_backward_end(self._backward_done)
         elif id(node) not in self._armed:
             self._armed[id(node)] = node.register_hook(
-                lambda _inputs, _outputs: None if self._callback_queued else self._arm())
+                lambda _inputs, _outputs: None if self._callback_queued else eagerly(self._arm))
 
     def _take_held(self) -> None:
         """Take the gradient reported last: every post-accumulate-grad hook of its parameter has

@@ -10,13 +10,28 @@ reaches its owner through a weak reference and removes itself once the owner is 
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["on_gradient", "remove_when_dropped"]
+__all__ = ["on_gradient", "remove_when_dropped", "eagerly", "at_backward_end"]
+
+
+@torch.compiler.disable(recursive=True)
+def eagerly(fn: Callable, *args):
+    """``fn(*args)`` as plain Python, never traced by ``torch.compile``. A backward pass run from
+    inside a compiled function calls its hooks and end-of-backward callbacks with dynamo's frame
+    evaluation still on, which would trace them; they start and check collectives."""
+    return fn(*args)
+
+
+def at_backward_end(fn: Callable[[], None]) -> None:
+    """Queue ``fn`` to run, eagerly, when the current backward pass ends (the autograd engine's
+    callback)."""
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(eagerly, fn))
 
 
 def on_gradient(param: torch.Tensor,
@@ -28,7 +43,7 @@ def on_gradient(param: torch.Tensor,
     def hook(p: torch.Tensor) -> None:
         bound = ref()
         if bound is not None:
-            bound(p)
+            eagerly(bound, p)
 
     return param.register_post_accumulate_grad_hook(hook)
 

@@ -33,6 +33,7 @@ from ..engine.exchange import Context
 from ..engine.gradsync import GradientSync
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
+from ..nn.hooks import EagerSteps
 from .centralized import GenericCentralizedOptimizer, _check_lr, world_size_error
 from .wrapping import (
     amp_skip,
@@ -81,7 +82,7 @@ class PowerSGD(GenericCentralizedOptimizer):
                                          nesterov=nesterov)
 
 
-class _UpdateSync(torch.optim.Optimizer):
+class _UpdateSync(EagerSteps, torch.optim.Optimizer):
     """A torch optimizer whose per-step update of every parameter goes through the engine: the
     update is written to ``.grad``, exchanged (codec + reducer; one bucket per tensor unless
     ``bucket_cap_mb`` lets tensors share one, for codecs that act on each entry alone), and the

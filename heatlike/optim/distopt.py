@@ -78,6 +78,11 @@ class DistOpt(WrappedOptimizer):
     cycles), build DistOpt first, then load the model's state, then the optimizer's.
     """
 
+    eager_methods = ("update", "all_reduce", "all_reduce_half", "fused_all_reduce",
+                     "fused_all_reduce_half", "sparsification", "fused_sparsification",
+                     "wait", "backward_and_update", "backward_and_update_half",
+                     "backward_and_sparse_update", "backward_and_partial_update")
+
     #: ``torch.amp.GradScaler`` then calls :meth:`step` on every rank with ``found_inf`` set,
     #: whatever the ranks found, so that every rank refuses it alike
     _step_supports_amp_scaling = True

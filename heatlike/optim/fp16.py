@@ -34,13 +34,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.autograd import Variable
 
 from ..core.agreement import raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..core.topology import get_topology
 from ..engine.gradsync import GradientSync
-from ..engine.hooks import on_gradient, remove_when_dropped
+from ..engine.hooks import at_backward_end, on_gradient, remove_when_dropped
 from ..engine.reducers import AllReduce, Hierarchical
 from ..engine.replicas import broadcast_module
 from .centralized import agreed_denom, world_size_error
@@ -51,6 +50,8 @@ __all__ = ["FP16Optimizer"]
 
 class FP16Optimizer(WrappedOptimizer):
     """Mixed-precision optimizer with dynamic loss scaling (module docstring)."""
+
+    eager_methods = ("backward_loss",)
 
     def __init__(self, fp16_model: torch.nn.Module, world_size: int | None = None,
                  use_cuda: bool = False, use_horovod: bool = False, by_layer: bool = False,
@@ -114,7 +115,7 @@ class FP16Optimizer(WrappedOptimizer):
     def _on_grad(self, _param: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True
-            Variable._execution_engine.queue_callback(self._backward_end)
+            at_backward_end(self._backward_end)
 
     def _backward_end(self) -> None:
         self._queued = False

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..engine.codecs import Codec, label_memory, rescale_memory
+from ..nn.hooks import EagerSteps
 
 __all__ = ["WrappedOptimizer", "materialized_group", "synchronized_check",
            "unsynchronized_grads", "amp_skip", "track", "driving_grad_scaler", "refuse_unscalable",
@@ -50,7 +51,7 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
 
-class WrappedOptimizer(torch.optim.Optimizer):
+class WrappedOptimizer(EagerSteps, torch.optim.Optimizer):
     """Base of heatlike's optimizers: a ``torch.optim.Optimizer`` whose parameter groups, state and
     defaults are those of the local optimizer ``self.optimizer`` (see the module docstring)."""
 

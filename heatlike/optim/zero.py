@@ -56,6 +56,7 @@ from mpi4py import MPI
 from ..core.agreement import agree_on, gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
 from ..engine.replicas import broadcast_tensors
+from ..nn.hooks import EagerSteps
 
 __all__ = ["ZeroRedundancyOptimizer", "partition", "unjoined_over"]
 
@@ -106,7 +107,7 @@ def _standing_in(comm) -> bool:
         MPI.Comm.Compare(join.comm.handle, comm.handle) in (MPI.IDENT, MPI.CONGRUENT)
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(EagerSteps, torch.optim.Optimizer):
     """Shard the state of ``optimizer_class(params, **defaults)`` over the ranks of
     ``process_group`` (module docstring). ``process_group``: an
     :class:`~heatlike.core.communication.MPICommunication`, an mpi4py communicator, or None
