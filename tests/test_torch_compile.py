@@ -154,3 +154,30 @@ def test_a_whole_compiled_training_step_trains_as_eager(comm, name):
     eager = train(False)
     torch._dynamo.reset()
     torch.testing.assert_close(train(True), eager, rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_step_that_synchronizes_before_clipping_trains_as_eager(comm):
+    """Non-blocking DataParallel: ``synchronize()`` (the averaged gradients, now) and gradient
+    clipping inside a compiled step, as a user clips: the eager model's parameters."""
+
+    def train(compiled: bool):
+        net = _Net()
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=False)
+        model = DataParallel(net, comm, opt)
+
+        def step(x, y):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.synchronize()
+            nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+
+        run = torch.compile(step, backend=BACKEND) if compiled else step
+        for x, y in _batches(comm):
+            run(x, y)
+        model.close()
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    eager = train(False)
+    torch._dynamo.reset()
+    torch.testing.assert_close(train(True), eager, rtol=1e-6, atol=1e-7)

@@ -172,6 +172,8 @@ class DASO(WrappedOptimizer):
     is passed to it).
     """
 
+    eager_methods = ("epoch_loss_logic", "set_model", "reset")
+
     def __init__(self, local_optimizer: torch.optim.Optimizer, total_epochs: int,
                  comm: MPICommunication = MPI_WORLD, warmup_epochs: int = 4,
                  cooldown_epochs: int = 4, scheduler=None, stability_level: float = 0.05,

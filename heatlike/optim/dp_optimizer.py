@@ -70,6 +70,8 @@ class DataParallelOptimizer(WrappedOptimizer):
     must be exactly the optimizer's.
     """
 
+    eager_methods = ("synchronize", "flush", "apply")
+
     def __init__(self, torch_optimizer: torch.optim.Optimizer, blocking: bool = False) -> None:
         if not isinstance(torch_optimizer, torch.optim.Optimizer):
             raise TypeError(f"torch_optimizer must be a torch.optim.Optimizer, "
