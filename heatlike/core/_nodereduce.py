@@ -222,15 +222,19 @@ def applies(comm, recv: torch.Tensor, send: torch.Tensor | None, op: MPI.Op,
     if send is not None and (send.dtype is not recv.dtype or send.device != recv.device or
                              _buffers.staged(send) != _buffers.staged(recv)):
         return False
-    if not recv.is_cuda and not _buffers.staged(recv) and not one_node(comm):
+    host = not recv.is_cuda and not _buffers.staged(recv)
+    if host and not one_node(comm):
         return False
     node = _node(comm, recv)
     if node.cuda != recv.is_cuda:  # the communicator's workspaces are of the other kind
         return False
-    nbytes = recv.numel() * recv.element_size()
-    if not recv.is_cuda and not _buffers.staged(recv):
-        nbytes = min(nbytes, max(1, HOST_CHUNK_BYTES // recv.element_size()) * recv.element_size())
-    return node.usable and node.ensure(nbytes)
+    n = min(recv.numel(), _host_chunk(recv.element_size())) if host else recv.numel()
+    return node.usable and node.ensure(n * recv.element_size())
+
+
+def _host_chunk(itemsize: int) -> int:
+    """Elements per chunk of a host sum (:data:`HOST_CHUNK_BYTES`, at least one)."""
+    return max(1, HOST_CHUNK_BYTES // itemsize)
 
 
 # ---------------------------------------------------------------------------- CUDA runtime
@@ -524,7 +528,7 @@ class NodeAllreduce:
             return
         staged = _buffers.staged(dst)
         self.limit = ONE_SHOT_BYTES if node.cuda or staged else HOST_ONE_SHOT_BYTES
-        self.chunk = n if node.cuda or staged else max(1, HOST_CHUNK_BYTES // dst.element_size())
+        self.chunk = n if node.cuda or staged else _host_chunk(dst.element_size())
         self.stream = torch.cuda.current_stream(node.device) if node.cuda else None
         self.request: MPI.Request | None = None
         self.event = None

@@ -89,7 +89,7 @@ from ..core.env import env_int
 from .buckets import Bucket, dense, plan_buckets
 from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
-from .hooks import at_backward_end, eagerly, on_gradient, remove_when_dropped
+from .hooks import at_backward_end, on_gradient, remove_when_dropped, run_eagerly
 from .liveness import board_of
 from .reducers import AllReduce, Reducer, divide
 
@@ -476,7 +476,7 @@ class GradientSync:
             at_backward_end(self._backward_done)
         elif id(node) not in self._armed:
             self._armed[id(node)] = node.register_hook(
-                lambda _inputs, _outputs: None if self._callback_queued else eagerly(self._arm))
+                lambda _inputs, _outputs: None if self._callback_queued else run_eagerly(self._arm))
 
     def _take_held(self) -> None:
         """Take the gradient reported last: every post-accumulate-grad hook of its parameter has

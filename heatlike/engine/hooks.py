@@ -17,21 +17,45 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["on_gradient", "remove_when_dropped", "eagerly", "at_backward_end"]
+__all__ = ["on_gradient", "remove_when_dropped", "run_eagerly", "at_backward_end",
+           "EagerSteps"]
 
 
 @torch.compiler.disable(recursive=True)
-def eagerly(fn: Callable, *args):
-    """``fn(*args)`` as plain Python, never traced by ``torch.compile``. A backward pass run from
-    inside a compiled function calls its hooks and end-of-backward callbacks with dynamo's frame
-    evaluation still on, which would trace them; they start and check collectives."""
-    return fn(*args)
+def run_eagerly(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as plain Python, never traced by ``torch.compile`` (in compiled
+    code: a graph break). heatlike's work around the user's computation (hooks, callbacks,
+    optimizer steps) starts and checks collectives, which dynamo cannot trace; a backward pass
+    run from inside a compiled function calls its hooks and end-of-backward callbacks with
+    dynamo's frame evaluation still on."""
+    return fn(*args, **kwargs)
 
 
 def at_backward_end(fn: Callable[[], None]) -> None:
     """Queue ``fn`` to run, eagerly, when the current backward pass ends (the autograd engine's
     callback)."""
-    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(eagerly, fn))
+    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(run_eagerly, fn))
+
+
+class EagerSteps:
+    """Mixin of heatlike's optimizers: ``step`` and ``zero_grad``, and the methods a class names
+    in ``eager_methods``, as every subclass defines them, run as plain Python under
+    ``torch.compile`` (a graph break around each call). They start, wait for and check
+    collectives, which dynamo cannot trace (a whole compiled training step, forward, backward and
+    ``step()``, otherwise failed inside the communication code on every rank but one-rank runs),
+    and keep state that later eager calls read (FP16Optimizer's loss scale of the last backward,
+    set in compiled code, was not seen by its eager ``step()``: the update was not unscaled)."""
+
+    eager_methods: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in ("step", "zero_grad", *cls.eager_methods):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_heatlike_eager", False):
+                eager = torch.compiler.disable(fn, recursive=True)
+                eager._heatlike_eager = True
+                setattr(cls, name, eager)
 
 
 def on_gradient(param: torch.Tensor,
@@ -43,7 +67,7 @@ def on_gradient(param: torch.Tensor,
     def hook(p: torch.Tensor) -> None:
         bound = ref()
         if bound is not None:
-            eagerly(bound, p)
+            run_eagerly(bound, p)
 
     return param.register_post_accumulate_grad_hook(hook)
 

@@ -16,35 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["WrapperHook", "InertHook", "run_eagerly", "compiled_parts", "EagerSteps"]
+from ..engine.hooks import run_eagerly
 
-
-@torch.compiler.disable(recursive=True)
-def run_eagerly(fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)``, never traced by ``torch.compile`` (in compiled code: a graph
-    break, and the call runs as plain Python)."""
-    return fn(*args, **kwargs)
-
-
-class EagerSteps:
-    """Mixin of heatlike's optimizers: ``step`` and ``zero_grad``, and the methods a class names
-    in ``eager_methods``, as every subclass defines them, run as plain Python under
-    ``torch.compile`` (a graph break around each call). They start, wait for and check
-    collectives, which dynamo cannot trace (a whole compiled training step, forward, backward and
-    ``step()``, otherwise failed inside the communication code on every rank but one-rank runs),
-    and keep state that later eager calls read (FP16Optimizer's loss scale of the last backward,
-    set in compiled code, was not seen by its eager ``step()``: the update was not unscaled)."""
-
-    eager_methods: tuple[str, ...] = ()
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        for name in ("step", "zero_grad", *cls.eager_methods):
-            fn = cls.__dict__.get(name)
-            if fn is not None and not getattr(fn, "_heatlike_eager", False):
-                eager = torch.compiler.disable(fn, recursive=True)
-                eager._heatlike_eager = True
-                setattr(cls, name, eager)
+__all__ = ["WrapperHook", "InertHook", "run_eagerly", "compiled_parts"]
 
 
 def compiled_parts(module: torch.nn.Module) -> bool:

@@ -31,9 +31,9 @@ from ..engine import codecs
 from ..engine.buckets import dense
 from ..engine.exchange import Context
 from ..engine.gradsync import GradientSync
+from ..engine.hooks import EagerSteps
 from ..engine.reducers import AllReduce
 from ..engine.replicas import broadcast_module
-from ..nn.hooks import EagerSteps
 from .centralized import GenericCentralizedOptimizer, _check_lr, world_size_error
 from .wrapping import (
     amp_skip,

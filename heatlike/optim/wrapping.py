@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..engine.codecs import Codec, label_memory, rescale_memory
-from ..nn.hooks import EagerSteps
+from ..engine.hooks import EagerSteps
 
 __all__ = ["WrappedOptimizer", "materialized_group", "synchronized_check",
            "unsynchronized_grads", "amp_skip", "track", "driving_grad_scaler", "refuse_unscalable",

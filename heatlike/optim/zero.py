@@ -55,8 +55,8 @@ from mpi4py import MPI
 
 from ..core.agreement import agree_on, gather_or_raise, raise_together
 from ..core.communication import MPICommunication, sanitize_comm
+from ..engine.hooks import EagerSteps
 from ..engine.replicas import broadcast_tensors
-from ..nn.hooks import EagerSteps
 
 __all__ = ["ZeroRedundancyOptimizer", "partition", "unjoined_over"]
 
