@@ -54,6 +54,14 @@ def layouts(g: np.ndarray, seed: int = 0, unbalanced_too: bool = True
             yield f"split={s} unbalanced", unbalanced(g, s, seed + s)
 
 
+def layout(g: np.ndarray, name: str, seed: int = 0) -> hl.DNDarray:
+    """The layout of ``g`` that :func:`layouts` calls ``name``, built alone."""
+    if name == "split=None":
+        return hl.array(g)
+    s = int(name.split()[0].removeprefix("split="))
+    return unbalanced(g, s, seed + s) if name.endswith(" unbalanced") else hl.array(g, split=s)
+
+
 def check_layout(x: hl.DNDarray) -> None:
     """The metadata agree with the local tensor."""
     assert isinstance(x.larray, torch.Tensor)

@@ -7,6 +7,7 @@ from _dndarray_helpers import (
     COMM,
     assert_matches,
     global_array,
+    layout,
     layouts,
     raises_everywhere,
 )
@@ -108,14 +109,14 @@ def test_setitem_basic():
             for vi, value in enumerate(values):
                 for value_layout in (["numpy"] + [w for w, _ in layouts(np.asarray(value))]
                                      if np.ndim(value) else ["scalar"]):
-                    x = dict(layouts(g))[what]
+                    x = layout(g, what)
                     counts = x.counts
                     expect = g.copy()
                     expect[key] = value
                     if value_layout in ("numpy", "scalar"):
                         v = value
                     else:
-                        v = dict(layouts(np.asarray(value)))[value_layout]
+                        v = layout(np.asarray(value), value_layout)
                     x[key] = v
                     tag = f"[{key!r}] = value{vi} ({value_layout}) into {what}"
                     assert x.counts == counts, tag
@@ -139,7 +140,7 @@ def test_separated_integer_and_index_array_put_the_array_axis_first_as_numpy():
         for what, _ in layouts(g):
             for vi, value in enumerate(values):
                 for value_layout, v in [("numpy", value), *layouts(value)]:
-                    x = dict(layouts(g))[what]
+                    x = layout(g, what)
                     expect = g.copy()
                     expect[key] = value
                     x[key] = v
@@ -153,19 +154,19 @@ def test_setitem_masks_and_dtypes():
             m = global_array(11 + k, g.shape[:k], dtype=bool)
             n_true = int(m.sum())
             for wm, mask in [("numpy", m)] + list(layouts(m, seed=k)):
-                x = dict(layouts(g))[what]
+                x = layout(g, what)
                 expect = g.copy()
                 expect[m] = -1.5
                 x[mask] = -1.5
                 assert_matches(x, expect, f"{what} mask{k} {wm} scalar")
                 val = global_array(13, (n_true, *g.shape[k:]))
                 for wv, v in [("numpy", val)] + list(layouts(val, seed=3)):
-                    x = dict(layouts(g))[what]
+                    x = layout(g, what)
                     expect = g.copy()
                     expect[m] = val
                     x[mask] = v
                     assert_matches(x, expect, f"{what} mask{k} {wm} value {wv}")
-        x = dict(layouts(g))[what]
+        x = layout(g, what)
         expect = g.copy()
         expect[expect > 2] = 0
         x[x > 2] = 0

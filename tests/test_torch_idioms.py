@@ -550,7 +550,8 @@ def test_reads_stay_guarded_through_modes_compiled_code_and_failed_forwards(comm
         opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
                                     blocking=blocking)
         model = DataParallel(net, comm, optimizer=opt, bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
-        square = torch.compile(lambda t: (t * t).sum()) if case == "compiled-read" else None
+        square = (torch.compile(lambda t: (t * t).sum(), backend="aot_eager")
+                  if case == "compiled-read" else None)
         reads = []
         for step in range(4):
             x, y = _data(step, comm.rank)

@@ -61,13 +61,17 @@ class EagerSteps:
 def on_gradient(param: torch.Tensor,
                 method: Callable[[torch.Tensor], None]) -> RemovableHandle:
     """Register the bound ``method`` as ``param``'s post-accumulate-grad hook, holding its object
-    weakly: once the object is gone the hook does nothing."""
+    weakly: once the object is gone the hook does nothing. The hook runs as plain Python as a
+    whole: a backward pass started in compiled code would otherwise trace it up to the call and
+    compile what follows the call once per parameter (a recompilation each, until dynamo's
+    cache limit)."""
     ref = weakref.WeakMethod(method)
 
+    @torch.compiler.disable(recursive=True)
     def hook(p: torch.Tensor) -> None:
         bound = ref()
         if bound is not None:
-            run_eagerly(bound, p)
+            bound(p)
 
     return param.register_post_accumulate_grad_hook(hook)
 
