@@ -344,6 +344,7 @@ class _Node:
         self.last = None  # event after this rank's last reads of the workspaces (device)
         self.current: NodeAllreduce | None = None  # this rank's latest sum on this node
         self.barriers: MPI.Intracomm | None = None
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # host accumulators (_reduce)
         reason, uuid = "", ""
         try:  # local facts first: every rank then enters the same collectives
             if self.cuda:
@@ -449,6 +450,14 @@ class _Node:
                     rt.close(ptr)
                 if own is not None:
                     rt.free(own)
+
+    def scratch(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``n`` elements of ``dtype`` of host memory kept for this communicator's sums (a new
+        temporary per sum costs page faults on every call: large allocations are fresh pages)."""
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch[:nbytes].view(dtype)
 
     def slot_views(self, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Every rank's current slot as ``n`` elements of ``dtype`` (rank order); advances the
@@ -576,7 +585,20 @@ class NodeAllreduce:
     def _reduce(self) -> None:
         r = self.node.rank
         parts = [self._shard(v, r) for v in self.views]
-        parts[r].copy_(self._rank_order_sum(parts))
+        own = parts[r]
+        half = own.dtype in _HALF
+        if r <= 1 and not half:  # the sum written where it belongs, read before it is written
+            torch.add(parts[0], parts[1], out=own)
+            for p in parts[2:]:
+                own.add_(p)
+        elif not self.node.cuda:  # the same operations as _rank_order_sum, kept memory
+            acc = self.node.scratch(own.numel(), torch.float32 if half else own.dtype)
+            acc.copy_(parts[0])
+            for p in parts[1:]:
+                acc.add_(p)
+            own.copy_(acc)
+        else:  # device memory: the caching allocator's temporary, on the caller's stream
+            own.copy_(self._rank_order_sum(parts))
 
     def _sum_all(self) -> None:
         self.dst.copy_(self._rank_order_sum(self.views))
