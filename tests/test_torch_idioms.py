@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 
 import pytest
 import torch
@@ -576,6 +577,51 @@ def test_reads_stay_guarded_through_modes_compiled_code_and_failed_forwards(comm
     blocking, deferred = run(True), run(False)
     for step, (a, b) in enumerate(zip(blocking, deferred)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{case}: read at step {step}"
+
+
+class _GuardLog(logging.Handler):
+    """The guards dynamo builds while it is installed (its ``guards`` log), one line each."""
+
+    LOGGER = "torch._dynamo.guards.__guards"
+
+    def __enter__(self) -> list[str]:
+        self.lines: list[str] = []
+        torch._logging.set_logs(guards=True)
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.LOGGER).removeHandler(self)
+        torch._logging.set_logs()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(record.getMessage().splitlines())
+
+
+@pytest.mark.mpi
+def test_a_compiled_read_builds_no_guard_on_the_pending_parameters(comm):
+    """A read compiled while updates are pending looks them up as plain Python: dynamo guards on
+    none of the read guard's entries. Traced, every entry got a guard, and the garbage collector
+    emptying a dropped optimizer's guard between dynamo's trace and its building of those guards
+    failed the compilation inside dynamo (``InternalTorchDynamoError: KeyError``, seen in a
+    4-rank run)."""
+    if comm.size == 1:
+        pytest.skip("one rank updates at once: nothing is deferred")
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=False)
+    model = DataParallel(net, comm, optimizer=opt, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
+    x, y = _data(0, comm.rank)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt._guard is not None and opt._guard.owner, "the test needs updates pending"
+    square = torch.compile(lambda t: (t * t).sum(), backend="aot_eager")
+    with _GuardLog() as guards:
+        compiled = [square(p).detach() for p in net.parameters()]
+    model.flush()
+    assert guards, "the guards log shows nothing: the test cannot see what dynamo guards"
+    assert not [g for g in guards if ".owner[" in g], [g for g in guards if "owner" in g]
+    torch.testing.assert_close(torch.stack(compiled),
+                               torch.stack([(p * p).sum().detach() for p in net.parameters()]))
 
 
 @pytest.mark.mpi

@@ -119,13 +119,25 @@ class ApplyBeforeRead(ApplyBeforeUse):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.owner:
-            hit = _buckets_of(self.owner, args, kwargs)
-            if hit and not _metadata_only(func):
-                optimizer = self._ref()
-                if optimizer is not None and not optimizer._applying:
-                    run_eagerly(_apply_for_read, self, optimizer, hit)
+        if torch.compiler.is_compiling():
+            # looked up eagerly (a graph break): traced, ``owner`` gets a guard on every entry,
+            # and the garbage collector may empty it (make_inert) between dynamo's trace and
+            # its building of those guards, which then fails inside dynamo (KeyError)
+            run_eagerly(_before_read, self, func, args, kwargs)
+        else:
+            _before_read(self, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _before_read(guard: ApplyBeforeRead, func, args: tuple, kwargs: dict) -> None:
+    """What ``guard`` does before ``func(*args, **kwargs)`` runs: apply the pending buckets of the
+    parameters it reads (not for a metadata call, nor while the optimizer applies updates)."""
+    if guard.owner:
+        hit = _buckets_of(guard.owner, args, kwargs)
+        if hit and not _metadata_only(func):
+            optimizer = guard._ref()
+            if optimizer is not None and not optimizer._applying:
+                _apply_for_read(guard, optimizer, hit)
 
 
 def _apply_for_read(guard: ApplyBeforeRead, optimizer, hit: set) -> None:
