@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import torch
@@ -232,3 +233,26 @@ def close_daso_objects_built(monkeypatch):
     yield
     for obj in reversed(made):
         obj.close()
+
+
+class DynamoLog(logging.Handler):
+    """``with DynamoLog("guards") as lines:``: the lines dynamo logs to one of its artifacts
+    (``guards``, ``recompiles``: ``torch._logging.set_logs``) while the block runs."""
+
+    def __init__(self, artifact: str) -> None:
+        super().__init__()
+        self.artifact = artifact
+        self.logger = logging.getLogger(f"torch._dynamo.guards.__{artifact}")
+
+    def __enter__(self) -> list[str]:
+        self.lines: list[str] = []
+        torch._logging.set_logs(**{self.artifact: True})
+        self.logger.addHandler(self)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        torch._logging.set_logs()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(record.getMessage().splitlines())

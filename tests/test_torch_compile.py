@@ -5,10 +5,10 @@ training gives. The ``aot_eager`` backend traces as inductor does (Dynamo and AO
 generating code, so the tests need no C compiler."""
 
 import copy
-import logging
 
 import pytest
 import torch
+from _helpers import DynamoLog
 from torch import nn
 
 from heatlike.nn import DataParallel
@@ -185,25 +185,6 @@ def test_a_compiled_step_that_synchronizes_before_clipping_trains_as_eager(comm)
 
 
 
-class _Recompilations(logging.Handler):
-    """The functions dynamo recompiles while it is installed (its ``recompiles`` log)."""
-
-    LOGGER = "torch._dynamo.guards.__recompiles"
-
-    def __enter__(self) -> list[str]:
-        self.names: list[str] = []
-        torch._logging.set_logs(recompiles=True)
-        logging.getLogger(self.LOGGER).addHandler(self)
-        return self.names
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger(self.LOGGER).removeHandler(self)
-        torch._logging.set_logs()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.names.append(record.getMessage().splitlines()[0])
-
-
 def test_a_compiled_step_compiles_no_gradient_hook(comm):
     """A backward pass started in compiled code calls the engine's gradient hooks as plain
     Python: none of their code is compiled, so nothing of it is recompiled from parameter to
@@ -214,7 +195,7 @@ def test_a_compiled_step_compiles_no_gradient_hook(comm):
     step = torch.compile(runner._step, backend=BACKEND)
     probe = torch.compile(lambda t: t + 1, backend=BACKEND)
     runner.start_epoch(3)
-    with _Recompilations() as recompiled:
+    with DynamoLog("recompiles") as recompiled:
         probe(torch.ones(2))
         probe(torch.ones(2, 2))  # a recompilation the log must show (the log works)
         for x, y in _batches(comm):
@@ -222,5 +203,6 @@ def test_a_compiled_step_compiles_no_gradient_hook(comm):
     runner.end_epoch(1.0)
     runner.finish()
     runner.close()
+    recompiled = [r for r in recompiled if r.startswith("Recompiling function")]
     assert any("<lambda>" in r for r in recompiled), recompiled
     assert not [r for r in recompiled if "engine/hooks.py" in r], recompiled

@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 
 import pytest
 import torch
+from _helpers import DynamoLog
 from torch import nn
 
 import heatlike as hl
@@ -579,25 +579,6 @@ def test_reads_stay_guarded_through_modes_compiled_code_and_failed_forwards(comm
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), f"{case}: read at step {step}"
 
 
-class _GuardLog(logging.Handler):
-    """The guards dynamo builds while it is installed (its ``guards`` log), one line each."""
-
-    LOGGER = "torch._dynamo.guards.__guards"
-
-    def __enter__(self) -> list[str]:
-        self.lines: list[str] = []
-        torch._logging.set_logs(guards=True)
-        logging.getLogger(self.LOGGER).addHandler(self)
-        return self.lines
-
-    def __exit__(self, *exc) -> None:
-        logging.getLogger(self.LOGGER).removeHandler(self)
-        torch._logging.set_logs()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.extend(record.getMessage().splitlines())
-
-
 @pytest.mark.mpi
 def test_a_compiled_read_builds_no_guard_on_the_pending_parameters(comm):
     """A read compiled while updates are pending looks them up as plain Python: dynamo guards on
@@ -615,7 +596,7 @@ def test_a_compiled_read_builds_no_guard_on_the_pending_parameters(comm):
     opt.step()
     assert opt._guard is not None and opt._guard.owner, "the test needs updates pending"
     square = torch.compile(lambda t: (t * t).sum(), backend="aot_eager")
-    with _GuardLog() as guards:
+    with DynamoLog("guards") as guards:
         compiled = [square(p).detach() for p in net.parameters()]
     model.flush()
     assert guards, "the guards log shows nothing: the test cannot see what dynamo guards"
