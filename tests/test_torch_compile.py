@@ -4,6 +4,7 @@ whose cached graph knows none of the wrapper's hooks), training gives the parame
 training gives. The ``aot_eager`` backend traces as inductor does (Dynamo and AOTAutograd) without
 generating code, so the tests need no C compiler."""
 
+import contextlib
 import copy
 
 import pytest
@@ -135,15 +136,23 @@ def test_a_whole_compiled_training_step_trains_as_eager(comm, name):
     optimizers' ``step``/``zero_grad`` and the engine's gradient hooks and end-of-backward
     callbacks run as plain Python (graph breaks; before, dynamo traced them from the backward
     pass and failed inside the communication code at every world size but one), so the
-    parameters equal eager training's."""
+    parameters equal eager training's. The gradient hooks are never traced: nothing of them is
+    recompiled from parameter to parameter (before, dynamo traced each up to its graph break and
+    compiled the rest once per parameter, a recompilation each until its cache limit)."""
+    recompiled: list[str] = []
 
     def train(compiled: bool):
         net = _Net()
         runner = make_runner(name, net, comm, 0.05, 3)
         step = torch.compile(runner._step, backend=BACKEND) if compiled else runner._step
+        probe = torch.compile(lambda t: t + 1, backend=BACKEND)
         runner.start_epoch(3)
-        for x, y in _batches(comm):
-            step(x, y)
+        with DynamoLog("recompiles") if compiled else contextlib.nullcontext([]) as log:
+            probe(torch.ones(2))
+            probe(torch.ones(2, 2))  # a recompilation the log must show (the log works)
+            for x, y in _batches(comm):
+                step(x, y)
+        recompiled.extend(r for r in log if r.startswith("Recompiling function"))
         runner.end_epoch(1.0)
         runner.finish()
         params = [p.detach().clone() for p in runner.eval_model().parameters()]
@@ -155,6 +164,8 @@ def test_a_whole_compiled_training_step_trains_as_eager(comm, name):
     eager = train(False)
     torch._dynamo.reset()
     torch.testing.assert_close(train(True), eager, rtol=1e-5, atol=1e-6)
+    assert any("<lambda>" in r for r in recompiled), recompiled
+    assert not [r for r in recompiled if "engine/hooks.py" in r], recompiled
 
 
 def test_a_compiled_step_that_synchronizes_before_clipping_trains_as_eager(comm):
@@ -182,27 +193,3 @@ def test_a_compiled_step_that_synchronizes_before_clipping_trains_as_eager(comm)
     eager = train(False)
     torch._dynamo.reset()
     torch.testing.assert_close(train(True), eager, rtol=1e-6, atol=1e-7)
-
-
-
-def test_a_compiled_step_compiles_no_gradient_hook(comm):
-    """A backward pass started in compiled code calls the engine's gradient hooks as plain
-    Python: none of their code is compiled, so nothing of it is recompiled from parameter to
-    parameter (before, dynamo traced each hook up to its graph break and compiled the rest once
-    per parameter, a recompilation each until its cache limit)."""
-    net = _Net()
-    runner = make_runner("allreduce-nonblocking", net, comm, 0.05, 3)
-    step = torch.compile(runner._step, backend=BACKEND)
-    probe = torch.compile(lambda t: t + 1, backend=BACKEND)
-    runner.start_epoch(3)
-    with DynamoLog("recompiles") as recompiled:
-        probe(torch.ones(2))
-        probe(torch.ones(2, 2))  # a recompilation the log must show (the log works)
-        for x, y in _batches(comm):
-            step(x, y)
-    runner.end_epoch(1.0)
-    runner.finish()
-    runner.close()
-    recompiled = [r for r in recompiled if r.startswith("Recompiling function")]
-    assert any("<lambda>" in r for r in recompiled), recompiled
-    assert not [r for r in recompiled if "engine/hooks.py" in r], recompiled
