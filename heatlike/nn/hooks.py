@@ -49,23 +49,40 @@ class WrapperHook:
 
     Under ``torch.compile`` a hook is never traced into a graph: it waits for communication and
     changes parameters and flags in place, which must happen when the hook is called. An
-    essential hook runs eagerly there (the graph breaks around it); an ``optional`` one (work
-    that only helps, such as polling communication in flight) does nothing inside compiled code,
-    so that it costs no graph break."""
+    essential hook runs as plain Python as a whole (a graph break around the call; traced up to
+    the call, it was compiled once per hook signature, a forward pre-hook's and a forward hook's
+    arguments differing); an ``optional`` one (work that only helps, such as polling
+    communication in flight) does nothing inside compiled code, so that it costs no graph
+    break."""
 
     __slots__ = ("fn", "optional")
+
+    def __new__(cls, fn: Callable, optional: bool = False) -> WrapperHook:
+        if optional and cls is WrapperHook:
+            cls = _OptionalHook
+        return super().__new__(cls)
 
     def __init__(self, fn: Callable, optional: bool = False) -> None:
         self.fn = fn
         self.optional = optional
 
+    @torch.compiler.disable(recursive=True)
     def __call__(self, *args, **kwargs):
-        if self.optional and torch.compiler.is_compiling():
-            return None
-        return run_eagerly(self.fn, *args, **kwargs)
+        return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict) -> InertHook:
         return InertHook()
 
     def __reduce__(self):
         return (InertHook, ())
+
+
+class _OptionalHook(WrapperHook):
+    """A :class:`WrapperHook` whose work only helps: skipped inside compiled code."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        return run_eagerly(self.fn, *args, **kwargs)
