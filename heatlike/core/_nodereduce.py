@@ -587,18 +587,18 @@ class NodeAllreduce:
         parts = [self._shard(v, r) for v in self.views]
         own = parts[r]
         half = own.dtype in _HALF
-        if r <= 1 and not half:  # the sum written where it belongs, read before it is written
+        if self.node.cuda:  # the caching allocator's temporary, on the caller's stream
+            own.copy_(self._rank_order_sum(parts))
+        elif r <= 1 and not half:  # the sum written where it belongs, read before it is written
             torch.add(parts[0], parts[1], out=own)
             for p in parts[2:]:
                 own.add_(p)
-        elif not self.node.cuda:  # the same operations as _rank_order_sum, kept memory
+        else:  # the same operations as _rank_order_sum, in memory the communicator keeps
             acc = self.node.scratch(own.numel(), torch.float32 if half else own.dtype)
             acc.copy_(parts[0])
             for p in parts[1:]:
                 acc.add_(p)
             own.copy_(acc)
-        else:  # device memory: the caching allocator's temporary, on the caller's stream
-            own.copy_(self._rank_order_sum(parts))
 
     def _sum_all(self) -> None:
         self.dst.copy_(self._rank_order_sum(self.views))

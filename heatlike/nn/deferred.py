@@ -115,6 +115,7 @@ class ApplyBeforeRead(ApplyBeforeUse):
         super().__init__(optimizer, buckets)
         self.optimizer = None  # (held weakly: _ref)
         self._ref = weakref.ref(optimizer)
+        self.inert = False  # (make_inert, drop_guard: it passes every call from then on)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -123,7 +124,8 @@ class ApplyBeforeRead(ApplyBeforeUse):
             # looked up eagerly (a graph break): traced, ``owner`` gets a guard on every entry,
             # and the garbage collector may empty it (make_inert) between dynamo's trace and
             # its building of those guards, which then fails inside dynamo (KeyError)
-            run_eagerly(_before_read, self, func, args, kwargs)
+            if not self.inert:
+                run_eagerly(_before_read, self, func, args, kwargs)
         else:
             _before_read(self, func, args, kwargs)
         return func(*args, **kwargs)
@@ -155,12 +157,14 @@ def make_inert(guard: ApplyBeforeRead) -> None:
     runs from the garbage collector, which may run between torch's look at the stack and its
     use of it; the guard is taken off at the next :func:`drop_guard`."""
     guard.owner = {}
+    guard.inert = True
 
 
 def drop_guard(guard: ApplyBeforeRead) -> None:
     """Make ``guard`` inert and take it off this thread's stack where it can be (not inside its
     own call, nor from another thread); with it, every inert guard left on the stack."""
     guard.owner = {}
+    guard.inert = True
     stack_at = getattr(torch._C, "_get_function_stack_at", None)
     if stack_at is None:
         return
