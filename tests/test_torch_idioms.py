@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 import heatlike as hl
 from heatlike.nn import DataParallel
+from heatlike.nn.deferred import drop_guard
 from heatlike.optim import DataParallelOptimizer
 
 STEPS, LR = 5, 0.1
@@ -605,6 +607,33 @@ def test_a_compiled_read_builds_no_guard_on_the_pending_parameters(comm):
     assert not [g for g in guards if ".owner[" in g], [g for g in guards if "owner" in g]
     torch.testing.assert_close(torch.stack(compiled),
                                torch.stack([(p * p).sum().detach() for p in net.parameters()]))
+
+
+@pytest.mark.mpi
+def test_an_inert_read_guard_costs_compiled_code_no_graph_break(comm):
+    """A read guard whose optimizer was dropped with updates pending stays on the stack until
+    the next forward or ``step()`` takes it off; compiled code run meanwhile traces as if it were
+    not there (a live guard checks each call in a graph break)."""
+    from torch._dynamo.utils import counters
+
+    if comm.size == 1:
+        pytest.skip("one rank updates at once: nothing is deferred")
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=False)
+    model = DataParallel(net, comm, optimizer=opt)
+    x, y = _data(0, comm.rank)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    guard = opt._guard
+    del opt, model, net  # (the module's hooks hold the wrapper)
+    gc.collect()
+    assert not guard.owner and guard in [torch._C._get_function_stack_at(i)
+                                         for i in range(torch._C._len_torch_function_stack())]
+    square = torch.compile(lambda t: (t * t).sum(), backend="aot_eager")
+    before = sum(counters["graph_break"].values())
+    assert square(torch.ones(3)).item() == 3.0
+    assert sum(counters["graph_break"].values()) == before
+    drop_guard(guard)
 
 
 @pytest.mark.mpi
