@@ -575,9 +575,15 @@ class NodeAllreduce:
         return v[lo:lo + self.counts[q]]
 
     @staticmethod
-    def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    def _rank_order_sum(parts: list[torch.Tensor], acc: torch.Tensor | None = None
+                        ) -> torch.Tensor:
+        """``parts[0] + parts[1] + ...`` in rank order, float16/bfloat16 accumulated in float32,
+        into ``acc`` (of the accumulating dtype) or a new tensor."""
         first = parts[0]
-        acc = first.float() if first.dtype in _HALF else first.clone()
+        if acc is None:
+            acc = first.float() if first.dtype in _HALF else first.clone()
+        else:
+            acc.copy_(first)
         for p in parts[1:]:
             acc.add_(p)
         return acc
@@ -593,12 +599,9 @@ class NodeAllreduce:
             torch.add(parts[0], parts[1], out=own)
             for p in parts[2:]:
                 own.add_(p)
-        else:  # the same operations as _rank_order_sum, in memory the communicator keeps
+        else:  # in memory the communicator keeps (a new temporary faults its pages in each time)
             acc = self.node.scratch(own.numel(), torch.float32 if half else own.dtype)
-            acc.copy_(parts[0])
-            for p in parts[1:]:
-                acc.add_(p)
-            own.copy_(acc)
+            own.copy_(self._rank_order_sum(parts, acc))
 
     def _sum_all(self) -> None:
         self.dst.copy_(self._rank_order_sum(self.views))

@@ -55,7 +55,7 @@ class WrapperHook:
     communication in flight) does nothing inside compiled code, so that it costs no graph
     break."""
 
-    __slots__ = ("fn", "optional")
+    __slots__ = ("fn",)
 
     def __new__(cls, fn: Callable, optional: bool = False) -> WrapperHook:
         if optional and cls is WrapperHook:
@@ -64,7 +64,6 @@ class WrapperHook:
 
     def __init__(self, fn: Callable, optional: bool = False) -> None:
         self.fn = fn
-        self.optional = optional
 
     @torch.compiler.disable(recursive=True)
     def __call__(self, *args, **kwargs):
