@@ -117,6 +117,41 @@ def test_send_error_sends_nothing(comm):
     comm.Barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_deferred_step_is_verified_with_reads_started_after_its_record(comm):
+    """Across nodes a training step only starts reading the other ranks' records when it is
+    posted, and its confirmation (before its first exchange) completes those reads: read at
+    once, every step waited for the other node's ranks, busy in their backward pass, to make
+    MPI progress. The reads serve the confirmation only while this rank has written no newer
+    record (of two ranks, at least one must see the other's record before issuing); otherwise
+    it reads anew. Boards read through MPI_Rget here, as across nodes."""
+    from heatlike.core import checks
+    from heatlike.engine.liveness import StepBoard
+
+    shared = checks.shared_windows
+    checks.shared_windows = False
+    try:
+        sub = comm.Split(0, comm.rank)
+        steps = StepBoard(sub)
+    finally:
+        checks.shared_windows = shared
+    board = steps.board
+    assert board.shared is None  # records read with MPI_Rget
+    steps.post(defer=True)
+    assert board._fresh is not None and board._fresh[0] == board.seq
+    started = board._fresh[1]
+    steps.confirm()
+    assert board._fresh is None and all(q.Test() for q, _ in started.values())
+    steps.post(defer=True)
+    board.arrive("Barrier")  # a newer record: the reads started at the post are not current
+    comm.handle.Barrier()  # (every rank has posted both steps)
+    rows = board.read(patience=5.0)
+    assert board._fresh is None
+    assert [int(row[checks.STEPS]) for row in rows] == [2] * comm.size
+    sub.Free()
+    _still_in_step(comm)
+
+
 def test_freeing_a_communicator_frees_its_board(comm):
     """The board heatlike sets up for a communicator (here by check mode) is freed with it, and
     its collectives never ran on the communicator itself: the next collective matches."""

@@ -1071,6 +1071,48 @@ def test_buckets_launch_during_backward(comm):
     assert all(n >= nb - 1 for n in seen[1:]), (seen, nb)
 
 
+@pytest.mark.mpi(min_size=2)  # one rank has nothing to launch
+def test_a_bucket_launches_at_its_last_gradient_when_no_hook_follows(comm):
+    """Where the engine's hook is a parameter's last post-accumulate-grad hook, the gradient is
+    final when the hook runs: the bucket it completes launches then, before the backward pass
+    computes the layers below (taken at the engine's next event, it waited for the next
+    gradient, a layer later). A probe between the layers records how many buckets are launched
+    when the backward pass reaches it: those of the four parameters above it."""
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(model.grad_sync._next)
+            return g
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.low, self.mid, self.top = nn.Linear(6, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = Probe.apply(torch.relu(self.low(x)))
+            return self.top(torch.relu(self.mid(h)))
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
+    model = DataParallel(net, comm, optimizer=opt, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    assert len(model.grad_sync.buckets) == 6  # one per parameter
+    for step in range(3):
+        x, y = _data(step, B)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        opt.step()
+    assert seen == [4, 4, 4]
+    model.close()
+
+
 @pytest.mark.parametrize("zero_grad_after_forward", [False, True],
                          ids=["zero-grad-first", "zero-grad-after-forward"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nonblocking"])

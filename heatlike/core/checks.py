@@ -57,9 +57,10 @@ that computes outside MPI delays neither the wait's deadline nor its other check
   the same position belong to different numbers of training steps ran different numbers of
   batches. Every rank that begins a step (:meth:`Board.mark_step`) or enters a collective
   directly (not as a phase of another heatlike operation) on a *watched* board first publishes
-  its position, then reads everybody's; of two ranks about to issue different collectives at
-  the same position at least one sees the other and raises before issuing, so mismatched
-  collectives never match each other, and the other raises from its polled wait.
+  its position, then reads everybody's (a step may complete those reads later, before it issues
+  its first collective: :meth:`Board.mark_step`); of two ranks about to issue different
+  collectives at the same position at least one sees the other and raises before issuing, so
+  mismatched collectives never match each other, and the other raises from its polled wait.
 
 On a watched board every collective runs non-blocking with a polled wait (on every rank alike:
 MPI never matches a blocking collective with a non-blocking one). On a board that is neither
@@ -306,6 +307,9 @@ class Board:
         # the target answers), and the last record each rank answered with (records only grow)
         self._gets: list[tuple[int, MPI.Request, np.ndarray]] = []
         self._known: list[np.ndarray | None] = [None] * self.size
+        # reads started by a deferred mark_step after this rank's record at position
+        # ``_fresh[0]``, for the read that confirms the step (:meth:`confirm_step`)
+        self._fresh: tuple[int, dict[int, tuple[MPI.Request, np.ndarray]]] | None = None
 
     @property
     def established(self) -> bool:
@@ -382,10 +386,17 @@ class Board:
     def seq(self) -> int:
         return int(self.local[SEQ]) if self.local is not None else 0
 
-    def mark_step(self) -> int:
+    def mark_step(self, defer: bool = False) -> int:
         """This rank begins a training step: the step takes a position of its own (its
         collectives may run on other communicators, e.g. an exchange's private channel); record
-        it, then :meth:`verify` (before the step issues anything). Returns the step's number."""
+        it, then :meth:`verify` (before the step issues anything). Returns the step's number.
+
+        ``defer``: only start reading the others' records; :meth:`confirm_step`, called before
+        the step issues its first collective, completes the reads and verifies. Across nodes a
+        read completes only when its target next makes MPI progress, and at the start of a
+        backward pass every rank computes: read at once, the step waited for the other node's
+        ranks to reach their next MPI call (3-10 ms per step on the virtual cluster). Reads
+        started after this rank's record was written see what reads made then would."""
         local = self.local
         seq = int(local[SEQ]) + 1
         n = int(local[STEPS]) + 1
@@ -394,8 +405,32 @@ class Board:
         local[SEQ] = seq
         local[OP] = _STEP_CODE
         local[OP_AT] = seq
-        self.verify()
+        if defer:
+            self._start_fresh()
+        else:
+            self.verify()
         return n
+
+    def confirm_step(self) -> None:
+        """The verification of a deferred :meth:`mark_step` (reads already answered cost
+        nothing)."""
+        self.verify()
+
+    def _start_fresh(self) -> None:
+        """Start reading every other rank's record anew (after this rank's own), for the next
+        current read (:meth:`read`); nothing to start on one node."""
+        if self._direct() is not None:
+            return
+        self._retire_fresh()
+        self._fresh = (int(self.local[SEQ]),
+                       {r: self._get(r) for r in range(self.size) if r != self.rank})
+
+    def _retire_fresh(self) -> None:
+        """Reads started for a current read that will not be used as one: they complete in the
+        background like the others (:meth:`known`)."""
+        if self._fresh is not None:
+            self._gets += [(r, q, buf) for r, (q, buf) in self._fresh[1].items()]
+            self._fresh = None
 
     def end(self, failed: bool = False) -> None:
         """This rank's program has ended (``failed``: with an uncaught exception)."""
@@ -411,8 +446,12 @@ class Board:
         direct = self._direct()
         if direct is not None:
             return direct
+        if self._fresh is not None and self._fresh[0] == int(self.local[SEQ]):
+            fresh, self._fresh = self._fresh[1], None  # started after this record: current
+        else:
+            self._retire_fresh()
+            fresh = {r: self._get(r) for r in range(self.size) if r != self.rank}
         self._harvest()
-        fresh = {r: self._get(r) for r in range(self.size) if r != self.rank}
         deadline = time.monotonic() + patience
         rows: list[np.ndarray | None] = [None] * self.size
         while fresh:
@@ -631,6 +670,7 @@ class Board:
             self.hub.count = None
             self.window.Unlock_all()  # completes the gets in flight too
             self._gets = []
+            self._fresh = None
             self.window.Free()
 
 

@@ -10,10 +10,11 @@ communicator while the backward pass is still running (the idea of PyTorch DDP):
    that got no gradient last: a parameter unused in most steps then no longer holds back the
    buckets after it.
 2. A post-accumulate-grad hook on every parameter reports its gradient. The engine takes it
-   (copies it into its bucket and sets the parameter's flag) at its next event (the next
-   parameter's hook, or the end of the backward pass): by then every post-accumulate-grad hook
-   of that parameter has run, the user's own registered after the engine's included, so what is
-   averaged is what they leave in ``.grad``. When every parameter of bucket k has been taken and
+   (copies it into its bucket and sets the parameter's flag) once every post-accumulate-grad
+   hook of that parameter has run, the user's own registered after the engine's included, so
+   what is averaged is what they leave in ``.grad``: at once where the engine's hook is the
+   parameter's last, else at its next event (the next parameter's hook, or the end of the
+   backward pass). When every parameter of bucket k has been taken and
    buckets 0..k-1 have been launched, bucket k is launched: the codec and the reducer run as
    one non-blocking exchange (``heatlike.engine.exchange``). Launching strictly in bucket
    order keeps the sequence of collectives identical on all ranks whatever order the hooks
@@ -89,7 +90,7 @@ from ..core.env import env_int
 from .buckets import Bucket, dense, plan_buckets
 from .codecs import Codec, Identity, all_finite
 from .exchange import Context, Lane
-from .hooks import at_backward_end, on_gradient, remove_when_dropped, run_eagerly
+from .hooks import at_backward_end, last_active_hook, on_gradient, remove_when_dropped, run_eagerly
 from .liveness import board_of
 from .reducers import AllReduce, Reducer, divide
 
@@ -320,9 +321,12 @@ class GradientSync:
         self.unsynced = False  # gradients were produced under no_sync since the last sync
         self._callback_queued = False
         self.seen_backward = False  # this rank ran a synchronizing backward since participate()
+        self._unconfirmed = False  # the cycle's step is posted, its verdict not yet taken
         self._hooks = [on_gradient(p, self._on_grad)
                        for p in self.params] if hooks and not self.passthrough else []
         remove_when_dropped(self, self._hooks)
+        # parameter -> the id of the engine's post-accumulate-grad hook in its hook dictionary
+        self._hook_ids = {id(p): h.id for p, h in zip(self.params, self._hooks)}
         self._board = board_of(self.comm)  # collective on a communicator's first sync
         self.on_begin: Callable[[], None] | None = None  # heatlike.nn.Join's notification
         # each cycle is a training step on the communicator's step board; heatlike.nn.Join
@@ -395,7 +399,11 @@ class GradientSync:
             self.on_begin()
         self._cycles += 1
         if self.posts_steps:
-            self._board.post()
+            # its verdict is taken before the cycle's first exchange (_launch_ready): across
+            # nodes the reads wait for the other ranks' next MPI call, and at the start of a
+            # backward pass they all compute
+            self._board.post(defer=True)
+            self._unconfirmed = True
         self._wait_flags()  # a cycle ended without its last bucket unpacked (an error)
         leftover = self._flag_requests.pop("finite", None)
         if leftover is not None and not leftover.done:
@@ -459,6 +467,8 @@ class GradientSync:
                    "model.no_sync()"))
         self._take_held()
         self._held = (b, i)
+        if last_active_hook(p, self._hook_ids[id(p)]):
+            self._take_held()  # no hook after the engine's changes .grad: final now
         self._take_unused()
         self._launch_ready()
         self._progress()
@@ -533,6 +543,9 @@ class GradientSync:
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and \
                 self._ready[self._next] == len(self.buckets[self._next].params):
+            if self._unconfirmed:
+                self._unconfirmed = False
+                self._board.confirm()
             bucket = self.buckets[self._next]
             self._requests[bucket.index] = self._exchange(bucket)
             self._versions[bucket.index] = self._payload_of(bucket.index)._version

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["on_gradient", "remove_when_dropped", "run_eagerly", "at_backward_end",
-           "EagerSteps"]
+__all__ = ["on_gradient", "last_active_hook", "remove_when_dropped", "run_eagerly",
+           "at_backward_end", "EagerSteps"]
 
 
 @torch.compiler.disable(recursive=True)
@@ -58,13 +58,14 @@ class EagerSteps:
                 setattr(cls, name, eager)
 
 
-def on_gradient(param: torch.Tensor,
-                method: Callable[[torch.Tensor], None]) -> RemovableHandle:
+def on_gradient(param: torch.Tensor, method: Callable[[torch.Tensor], None],
+                passive: bool = False) -> RemovableHandle:
     """Register the bound ``method`` as ``param``'s post-accumulate-grad hook, holding its object
     weakly: once the object is gone the hook does nothing. The hook runs as plain Python as a
     whole: a backward pass started in compiled code would otherwise trace it up to the call and
     compile what follows the call once per parameter (a recompilation each, until dynamo's
-    cache limit)."""
+    cache limit). ``passive``: the hook never changes ``.grad`` (it only polls), so a hook
+    registered before it may take the gradient as final (:func:`last_active_hook`)."""
     ref = weakref.WeakMethod(method)
 
     @torch.compiler.disable(recursive=True)
@@ -73,7 +74,21 @@ def on_gradient(param: torch.Tensor,
         if bound is not None:
             bound(p)
 
+    hook._heatlike_passive = passive
     return param.register_post_accumulate_grad_hook(hook)
+
+
+def last_active_hook(param: torch.Tensor, hook_id: int) -> bool:
+    """Whether the post-accumulate-grad hook ``hook_id`` of ``param`` is followed only by
+    passive ones (:func:`on_gradient`): when it runs, ``.grad`` is final for this backward
+    pass."""
+    hooks = param._post_accumulate_grad_hooks
+    for key in reversed(hooks or ()):
+        if key == hook_id:
+            return True
+        if not getattr(hooks[key], "_heatlike_passive", False):
+            return False
+    return False
 
 
 def remove_when_dropped(owner: object, handles: list[RemovableHandle]) -> None:

@@ -11,7 +11,11 @@ synchronization on the communicator is built, and then *watches*:
 
 * :meth:`StepBoard.post`: a rank beginning a gradient-synchronization cycle (a training step)
   records it as its next position on the communicator (a step takes a position of its own, as
-  its exchanges may run on private channels), then reads every rank's record. Every collective
+  its exchanges may run on private channels), then reads every rank's record (a gradient
+  synchronization starts the reads at its first gradient and takes the verdict,
+  :meth:`StepBoard.confirm`, before its first exchange: across nodes a read waits for the
+  other rank's next MPI call, and at the start of a backward pass every rank computes; the
+  reads were still started after the record was written, so what follows holds). Every collective
   the program calls on the communicator (an evaluation ``comm.Allreduce``) also records its
   position and reads the others' first. Two ranks that are in different numbers of steps at the
   same position have diverged; of any two such ranks at least one sees the other before issuing
@@ -51,13 +55,21 @@ class StepBoard:
             self.board.explain_steps = explain
             comm._hub.watched = True
 
-    def post(self) -> int:
+    def post(self, defer: bool = False) -> int:
         """This rank begins its next cycle (a position on the communicator's board); raises
-        RuntimeError if the ranks are known to have diverged. Returns the cycle number."""
+        RuntimeError if the ranks are known to have diverged. Returns the cycle number.
+        ``defer``: the verdict waits for :meth:`confirm`, which the caller makes before the
+        cycle's first collective (``heatlike.core.checks.Board.mark_step``)."""
         self.step += 1
         if self.board is not None:
-            return self.board.mark_step()
+            return self.board.mark_step(defer)
         return self.step
+
+    def confirm(self) -> None:
+        """The verdict of a deferred :meth:`post`: raises RuntimeError if the ranks have
+        diverged."""
+        if self.board is not None:
+            self.board.confirm_step()
 
     def check(self) -> None:
         """Raise RuntimeError if a rank that this rank's collectives need has ended, or the

@@ -505,7 +505,8 @@ class DataParallelMultiGPU(torch.nn.Module):
         leaves = [m for m in module.modules() if m is not module and not any(m.children())]
         self._poll_handles = [m.register_forward_pre_hook(WrapperHook(self._poll, optional=True))
                               for m in leaves] + \
-            [on_gradient(p, self._poll) for p in module.parameters() if p.requires_grad]
+            [on_gradient(p, self._poll, passive=True)
+             for p in module.parameters() if p.requires_grad]
         remove_when_dropped(self, self._poll_handles[len(leaves):])
 
     def _module_pre_hook(self, _module, _args) -> None:
