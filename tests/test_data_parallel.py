@@ -79,20 +79,25 @@ def _loss(out, y):
     return nn.functional.cross_entropy(out, y)
 
 
+def _step_both(comm, model, dp_opt, reference, ref_opt, step: int) -> None:
+    """One step of the reference on the whole batch of ``step`` and of DataParallel on this
+    rank's share of it."""
+    x, y = _data(step, comm.size * B)
+    ref_opt.zero_grad()
+    _loss(reference(x, y), y).backward()
+    ref_opt.step()
+    mine = slice(comm.rank * B, (comm.rank + 1) * B)
+    dp_opt.zero_grad()
+    _loss(model(x[mine], y[mine]), y[mine]).backward()
+    dp_opt.step()
+
+
 def _train_side_by_side(comm, model, dp_opt, reference, ref_opt, steps: int) -> None:
     """``steps`` steps of DataParallel (each rank its share of the batch) and of the reference
     (the whole batch), compared after every step, and the same parameters on every rank."""
-    P, r = comm.size, comm.rank
     local = model.module
     for step in range(steps):
-        x, y = _data(step, P * B)
-        ref_opt.zero_grad()
-        _loss(reference(x, y), y).backward()
-        ref_opt.step()
-        dp_opt.zero_grad()
-        mine = slice(r * B, (r + 1) * B)
-        _loss(model(x[mine], y[mine]), y[mine]).backward()
-        dp_opt.step()
+        _step_both(comm, model, dp_opt, reference, ref_opt, step)
         if not dp_opt.blocking:
             assert dp_opt.update_next or model.grad_sync.passthrough
             model.flush()
@@ -1002,22 +1007,14 @@ def test_buffers_of_a_module_inserted_after_wrapping_are_synchronized(comm):
 
 
 def test_bf16_codec_halves_bytes_and_stays_close(comm):
-    P, r = comm.size, comm.rank
     reference = Net(seed=0)
     ref_opt = _optimizer("sgd", reference)
     local = copy.deepcopy(reference)
     dp_opt = DataParallelOptimizer(_optimizer("sgd", local), blocking=True)
     model = DataParallel(local, comm, optimizer=dp_opt,
                          codec=hl.engine.Cast(torch.bfloat16))
-    mine = slice(r * B, (r + 1) * B)
     for step in range(3):
-        x, y = _data(step, P * B)
-        ref_opt.zero_grad()
-        _loss(reference(x, y), y).backward()
-        ref_opt.step()
-        dp_opt.zero_grad()
-        _loss(model(x[mine], y[mine]), y[mine]).backward()
-        dp_opt.step()
+        _step_both(comm, model, dp_opt, reference, ref_opt, step)
     torch.testing.assert_close(_flat(local), _flat(reference), rtol=2e-2, atol=2e-3)
     _same_on_all_ranks(comm, local)
     numel = sum(b.buffer.numel() for b in model.grad_sync.buckets)
@@ -1110,6 +1107,71 @@ def test_a_bucket_launches_at_its_last_gradient_when_no_hook_follows(comm):
         _loss(model(x), y).backward()
         opt.step()
     assert seen == [4, 4, 4]
+    model.close()
+
+
+def test_hold_from_holds_what_the_link_cannot_carry_during_the_backward_pass():
+    """The rule of held buckets (``heatlike.engine.gradsync.hold_from``): on one link of the
+    cycle's measured rate, in launch order, a bucket starts as it fills where the link is idle
+    then or would be done with it by the end of the backward pass; the first that is neither is
+    the first held."""
+    def timing(ready, end, waited):
+        t = gradsync._CycleTiming(len(ready))
+        t.ready, t.first_start, t.end, t.waited = list(ready), ready[0], end, waited
+        return t
+
+    # 40 bytes in 8 s: 2 s per bucket; bucket 1 would be done at 4 s, after the end (3.5 s)
+    assert gradsync.hold_from(timing([0, 1, 2, 3], 3.5, 8.0), [10] * 4) == 1
+    assert gradsync.hold_from(timing([0, 1, 2, 3], 6.5, 8.0), [10] * 4) == 3
+    # a fast link: each bucket done before the next fills
+    assert gradsync.hold_from(timing([0, 1, 2, 3], 3.5, 0.8), [10] * 4) == 4
+    # the link idle when a large bucket fills: it starts, whenever it would be done
+    assert gradsync.hold_from(timing([0, 1], 1.5, 11.0), [10, 100]) == 2
+    assert gradsync.hold_from(timing([0, 1], 1.5, 11.0), [100, 10]) == 1
+    # no wait found an exchange in flight: the exchanges kept up, nothing is held
+    assert gradsync.hold_from(timing([0, 1, 2, 3], 3.5, None), [10] * 4) == 4
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_held_buckets_start_last_launched_first_and_change_no_result(comm, kind, sums,
+                                                                     monkeypatch):
+    """Non-blocking: the buckets held to the end of the backward pass start from the last
+    launched (the order in which the next forward pass uses them). Rank 0's choice (forced
+    here: hold from bucket 1), agreed at the end of a backward pass from the cycle before,
+    holds on every rank from the fourth cycle on (the plan is rebuilt in the second); the
+    model is the single process's with the combined batch, updates applied as the forward
+    passes use them."""
+    monkeypatch.setattr(gradsync, "hold_from", lambda timing, nbytes: 1)
+    r = comm.rank
+    reference = Net(seed=0)
+    ref_opt = _optimizer(kind, reference)
+    local = Net(seed=100 + r)
+    if r == 0:  # (rank 0's parameters are broadcast)
+        local.load_state_dict(reference.state_dict())
+    dp_opt = DataParallelOptimizer(_optimizer(kind, local), blocking=False)
+    model = DataParallel(local, comm, optimizer=dp_opt, bucket_cap_mb=0.0005,
+                         first_bucket_mb=0.0005)
+    started = []
+    exchange = model.grad_sync._exchange
+
+    def spy(bucket):
+        started.append(bucket.index)
+        return exchange(bucket)
+
+    model.grad_sync._exchange = spy
+    orders = []
+    for step in range(6):
+        _step_both(comm, model, dp_opt, reference, ref_opt, step)
+        orders.append(started[:])
+        started.clear()
+    model.flush()
+    torch.testing.assert_close(_flat(local), _flat(reference), **TOL)
+    _same_on_all_ranks(comm, local)
+    if not model.grad_sync.passthrough:
+        n = len(model.grad_sync.buckets)
+        assert n >= 3
+        assert all(order == sorted(order) for order in orders[:3]), orders
+        assert orders[3:] == [[0, *range(n - 1, 0, -1)]] * 3, orders
     model.close()
 
 

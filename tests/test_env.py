@@ -233,6 +233,32 @@ def test_inplace_min_kb_sets_which_gradients_are_summed_in_place(monkeypatch, co
             DataParallel(net, comm)
 
 
+def test_hold_back_can_be_turned_off(monkeypatch, comm):
+    """HEATLIKE_HOLD_BACK: non-blocking DataParallel holds back gradient buckets (on by
+    default; never in blocking mode); 0 turns it off, a bad value raises on every rank."""
+    import torch
+
+    from heatlike.nn import DataParallel
+    from heatlike.optim import DataParallelOptimizer
+
+    def hold_back(blocking: bool) -> bool:
+        net = torch.nn.Linear(4, 4)
+        opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=blocking)
+        model = DataParallel(net, comm, optimizer=opt)
+        try:
+            return model.grad_sync.hold_back
+        finally:
+            model.close()
+
+    several = comm.size > 1  # one rank defers nothing
+    assert hold_back(False) == several and not hold_back(True)
+    monkeypatch.setenv("HEATLIKE_HOLD_BACK", "0")
+    assert not hold_back(False)
+    monkeypatch.setenv("HEATLIKE_HOLD_BACK", "sometimes")
+    with pytest.raises(ValueError, match="HEATLIKE_HOLD_BACK="):
+        hold_back(False)
+
+
 def test_bucket_cap_and_concurrent_buckets(monkeypatch, comm):
     """HEATLIKE_BUCKET_CAP_MB is DataParallel's bucket size when none is given (an explicit one
     wins), HEATLIKE_CONCURRENT_BUCKETS the gradient synchronization's channels; bad values

@@ -63,6 +63,22 @@ bare all-reduce (docs/ports.md, "Speed against Heat").
 
 Hooks also ``Test`` the requests in flight, which lets MPI progress them during the backward pass.
 
+*Forward order* (``hold_back``, set by DataParallel for deferred updates). Buckets launch in the
+order backward fills them, the last layers first, and the links complete them in about that
+order; the next forward pass needs them the other way round, the first layer first, and waits
+for each as it reaches it. Where the links cannot carry everything during the backward pass, the
+first layers' buckets, launched last, arrived last, and the forward pass could not start until
+the whole backlog had crossed: the links then idled while it ran. So the buckets that would only
+queue up are held back to the end of the backward pass and started there from the last launched
+on: the forward pass finds its first layers' averages early and computes while the rest cross.
+How many start as they fill is rank 0's choice from the last complete cycle (:func:`hold_from`:
+the cycle's exchange rate, the times the buckets filled and the end of the backward pass),
+agreed by a small all-reduce started at the end of each backward pass and taken at the start of
+the next cycle, so the order of collectives is the same on every rank. Nothing is held in the
+first cycles or where the exchanges keep up with the computation. The values are unchanged:
+only the order in which the exchanges start. On the virtual cluster (4 ranks on 2 nodes,
+1 Gbit/s) a residual MLP of fourteen 1.6 MB gradients stepped 8% faster non-blocking this way.
+
 ``check_finite=True`` checks every averaged bucket and raises ``FloatingPointError`` on every rank
 when it holds a NaN or an infinity (after completing the cycle's other exchanges). The averages
 are the same on every rank, and no codec hides a non-finite input (``heatlike.engine.codecs``),
@@ -74,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -94,7 +111,7 @@ from .hooks import at_backward_end, last_active_hook, on_gradient, remove_when_d
 from .liveness import board_of
 from .reducers import AllReduce, Reducer, divide
 
-__all__ = ["GradientSync"]
+__all__ = ["GradientSync", "hold_from"]
 
 MiB = 1 << 20
 #: mean elements per parameter from which a bucket fuses the folded division with the copies
@@ -186,6 +203,46 @@ def _held_once(t: torch.Tensor) -> bool:
     references (a user's variable) do not count; without torch's use count, never."""
     use_count = getattr(t, "_use_count", None)
     return use_count is not None and use_count() <= 2
+
+
+class _CycleTiming:
+    """When, in one cycle, each bucket filled (``ready``), the first exchange started, the
+    backward pass ended (``end``) and the last wait for an exchange in flight ended
+    (``waited``), in ``time.perf_counter`` seconds."""
+
+    __slots__ = ("ready", "first_start", "end", "waited")
+
+    def __init__(self, n: int) -> None:
+        self.ready: list[float | None] = [None] * n
+        self.first_start: float | None = None
+        self.end: float | None = None
+        self.waited: float | None = None
+
+
+def hold_from(timing: _CycleTiming, nbytes: Sequence[int]) -> int:
+    """How many buckets (in launch order) to start as they fill, from a cycle's ``timing``; the
+    rest are held to the end of the backward pass and started from the last (module docstring,
+    "Forward order"). The rate of the exchanges is the cycle's bytes over the time from the
+    first start to the end of the last wait that found an exchange still in flight; without
+    such a wait the exchanges kept up with the computation, and nothing is held. On one link
+    of that rate, in launch order, bucket k starts when it fills or when bucket k - 1 is done:
+    it starts as it fills where the link is then idle or it would be done by the end of the
+    backward pass; the first bucket that is neither is the first held, with all after it."""
+    n = len(nbytes)
+    if timing.waited is None or timing.first_start is None or timing.end is None or \
+            any(t is None for t in timing.ready):
+        return n
+    span = timing.waited - timing.first_start
+    if span <= 0:
+        return n
+    rate = sum(nbytes) / span
+    done = float("-inf")
+    for k, (ready, size) in enumerate(zip(timing.ready, nbytes)):
+        idle = done <= ready
+        done = max(done, ready) + size / rate
+        if not idle and done > timing.end:
+            return k
+    return n
 
 
 class _Advancing:
@@ -333,6 +390,12 @@ class GradientSync:
         # counts a DataParallel model's steps per iteration instead (several models may train)
         self.posts_steps = True
         self.tracker = None  # a heatlike.utils.Tracker: waits become "comm wait" spans
+        # holding back (module docstring, "Forward order"): set by DataParallel where the next
+        # forward pass waits for the buckets one by one (deferred updates), the same on every rank
+        self.hold_back = False
+        self._hold_value = torch.zeros(1, dtype=torch.float64)
+        self._hold_plan = -1  # the plan the value in flight was computed for
+        self._hold_started = False  # this cycle's agreement has been started
         # requests still in flight when the program ends are completed, not left to MPI_Finalize
         weakref.finalize(self, _complete_all, self._requests)
         weakref.finalize(self, _complete_all, self._flag_requests)
@@ -354,6 +417,11 @@ class GradientSync:
         # their use flags are summed together in _solo_flags, one entry per bucket
         self._solo = [self._solo_bytes is not None and len(b.params) == 1 and
                       b.size * b.itemsize >= self._solo_bytes for b in self.buckets]
+        self._plans = getattr(self, "_plans", 0) + 1
+        self._hold_from = len(self.buckets)  # buckets from this one on are held (this cycle)
+        self._held_back: list[int] = []
+        self._timing: _CycleTiming | None = None  # this cycle's, where held back
+        self._last_timing: _CycleTiming | None = None  # the last cycle's
         self._solo_flags = torch.zeros(len(self.buckets), dtype=torch.float32)
         self._solo_view = self._solo_flags.numpy()
         self._inplace_now = False
@@ -415,6 +483,8 @@ class GradientSync:
         self._inplace_now = self._solo_bytes is not None and any(self._solo) and \
             type(self.codec) is Identity and _sums_plainly(self.reducer)
         self._payload.clear()
+        if self.hold_back:
+            self._take_holding()
         self._solo_view[:] = 0
         self._flags_started = False
         self._finite_started = self._finite_checked = False
@@ -547,9 +617,59 @@ class GradientSync:
                 self._unconfirmed = False
                 self._board.confirm()
             bucket = self.buckets[self._next]
-            self._requests[bucket.index] = self._exchange(bucket)
-            self._versions[bucket.index] = self._payload_of(bucket.index)._version
+            if self._timing is not None:
+                self._timing.ready[self._next] = time.perf_counter()
+            if self._next >= self._hold_from:
+                self._held_back.append(bucket.index)
+            else:
+                self._start(bucket)
             self._next += 1
+
+    def _start(self, bucket: Bucket) -> None:
+        if self._timing is not None and self._timing.first_start is None:
+            self._timing.first_start = time.perf_counter()
+        self._requests[bucket.index] = self._exchange(bucket)
+        self._versions[bucket.index] = self._payload_of(bucket.index)._version
+
+    def _start_held(self) -> None:
+        """At the end of the backward pass: the held buckets, the last launched first (the
+        order in which the next forward pass uses them)."""
+        for b in reversed(self._held_back):
+            self._start(self.buckets[b])
+        self._held_back.clear()
+
+    def _take_holding(self) -> None:
+        """At the start of a cycle: the number of buckets to start as they fill in this cycle,
+        as agreed at the end of the last backward pass (:meth:`_agree_on_holding`)."""
+        request = self._flag_requests.pop("hold", None)
+        agreed = len(self.buckets)
+        if request is not None:
+            if not request.done:
+                _checks.wait(request, lambda: "the agreement on held gradient buckets",
+                             request._board, request._seq, watch=self._board.check)
+            if self._hold_plan == self._plans:
+                agreed = int(self._hold_value[0])
+        self._hold_from = min(max(agreed, 0), len(self.buckets))
+        self._last_timing, self._timing = self._timing, _CycleTiming(len(self.buckets))
+        self._held_back.clear()
+        self._hold_started = False
+
+    def _agree_on_holding(self) -> None:
+        """At the end of the backward pass, once per cycle on every rank (after its exchanges,
+        so after the step's verdict): start agreeing on the holding of the next cycle, rank 0's
+        choice from the last complete cycle (:func:`hold_from`), summed over the ranks so that
+        every rank gets it. One small all-reduce per cycle, complete long before the next cycle
+        takes it."""
+        self._hold_started = True
+        value = 0
+        if self.comm.rank == 0:
+            value = len(self.buckets)
+            if self._last_timing is not None:
+                value = hold_from(self._last_timing, [b.nbytes for b in self.buckets])
+        self._hold_value = held = torch.tensor([float(value)], dtype=torch.float64)
+        self._hold_plan = self._plans
+        reducer = self.reducer  # (the request, kept past the cycle, must not hold this object)
+        self._flag_requests["hold"] = Request(_phase(lambda: reducer.start_flags(held)))
 
     def _payload_of(self, b: int) -> torch.Tensor:
         """The tensor bucket ``b``'s exchange writes this cycle: a gradient summed in place, else
@@ -746,6 +866,11 @@ class GradientSync:
                 if not self._marked[b][i]:
                     self._mark(b, i, p.grad)
         self._launch_ready()
+        if self._timing is not None and self._timing.end is None:
+            self._timing.end = time.perf_counter()
+        self._start_held()
+        if self.hold_back and not self._hold_started:
+            self._agree_on_holding()
         if self._inplace_now and not self._flags_started:
             self._flags_started = True  # once per cycle on every rank, after every bucket
             # a phase of the engine's step, like the exchanges: not checked again at issue
@@ -816,6 +941,8 @@ class GradientSync:
                 self._engine_touches(lambda: _checks.wait(
                     waitable, lambda: f"the exchange of gradient bucket {b}", request._board,
                     request._seq, watch=self._board.check))
+            if self._timing is not None:
+                self._timing.waited = time.perf_counter()
         self._reduced.add(b)
 
     def unpack(self, b: int) -> list[torch.nn.Parameter]:
@@ -1039,6 +1166,10 @@ class GradientSync:
         unusable afterwards."""
         if self.active:
             self.synchronize()
+        request = self._flag_requests.pop("hold", None)
+        if request is not None and not request.done:
+            _checks.wait(request, lambda: "the agreement on held gradient buckets",
+                         request._board, request._seq, watch=self._board.check)
         self.remove_hooks()
         self.lane.close()
         self.closed = True

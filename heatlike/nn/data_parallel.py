@@ -28,7 +28,7 @@ from torch.nn.modules.module import (
 from ..core import checks as _checks
 from ..core.agreement import agree_on, raise_together
 from ..core.communication import MPI_WORLD, MPICommunication, sanitize_comm
-from ..core.env import env_float
+from ..core.env import env_flag, env_float
 from ..core.log import get_logger
 from ..engine.autotune import autotune
 from ..engine.codecs import Cast, Codec, codec_error
@@ -149,6 +149,12 @@ class DataParallel(torch.nn.Module):
                                           meaning="MiB per gradient bucket")
             except ValueError as bad:
                 error = bad
+        hold_back = True
+        if error is None:
+            try:
+                hold_back = bool(env_flag("HEATLIKE_HOLD_BACK", True))
+            except ValueError as bad:
+                error = bad
         if error is None and not (isinstance(codec, str) and codec == "auto"):
             codec, error = codec_error(codec)
         raise_together(error, comm)
@@ -167,7 +173,8 @@ class DataParallel(torch.nn.Module):
         agree_on({"optimizer": None if optimizer is None else optimizer.blocking,
                   "sync_buffers": sync_buffers, "find_unused_parameters": find_unused_parameters,
                   "check_finite": check_finite, "bucket_cap_mb": bucket_cap_mb,
-                  "first_bucket_mb": first_bucket_mb, "codec": codec}, comm, "DataParallel")
+                  "first_bucket_mb": first_bucket_mb, "codec": codec,
+                  "HEATLIKE_HOLD_BACK": hold_back}, comm, "DataParallel")
         check_replicas(module, comm)
         if optimizer is not None:
             raise_together(_ownership_error(module, optimizer), comm)
@@ -204,6 +211,10 @@ class DataParallel(torch.nn.Module):
         # (heatlike.nn.deferred): only a non-blocking optimizer defers them, only on several ranks
         self._defers = not self.grad_sync.passthrough and optimizer is not None and \
             not optimizer.blocking
+        # the next forward pass uses the buckets from the last launched on: hold back those the
+        # links cannot carry during the backward pass and start them in that order at its end
+        # (HEATLIKE_HOLD_BACK=0: never)
+        self.grad_sync.hold_back = self._defers and hold_back
         self._in_wrapper = False  # inside forward(): the module's own hooks leave the work to it
         self._handles = [module.register_forward_pre_hook(WrapperHook(self._module_pre_hook))]
         if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
