@@ -6,6 +6,7 @@ parameters and its optimizer state (momentum) with it.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -79,6 +80,33 @@ def test_data_parallel_with_uneven_batches_matches_the_combined_batch(comm, bloc
     assert join.iterations == _steps(comm.rank)
     _check(net, opt.torch_optimizer, comm)
     assert model.grad_sync.reducer.denom == comm.size  # restored after the join
+
+
+def test_held_buckets_with_uneven_batches_match_the_combined_batch(comm, monkeypatch):
+    """Non-blocking with held gradient buckets (forced: from bucket 1 on, every parameter in a
+    bucket of its own): the ranks out of batches shadow the held buckets' exchanges in the
+    same order, and the model is the single process's."""
+    from heatlike.engine import gradsync
+
+    def net() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                             nn.Linear(16, 3))
+
+    monkeypatch.setattr(gradsync, "hold_from", lambda timing, nbytes: 1)
+    monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES", 64)
+    monkeypatch.setattr(sys.modules[__name__], "_net", net)
+    monkeypatch.setattr(sys.modules[__name__], "_steps", lambda rank: 5 + 2 * rank)
+    held = []
+    start_held = gradsync.GradientSync._start_held
+
+    def spy(sync):
+        held.append(len(sync._held_back))
+        start_held(sync)
+
+    monkeypatch.setattr(gradsync.GradientSync, "_start_held", spy)
+    test_data_parallel_with_uneven_batches_matches_the_combined_batch(comm, False)
+    assert comm.size == 1 or max(held) > 0, held
 
 
 def _train_joined(model, opt, comm) -> None:
