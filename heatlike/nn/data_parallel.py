@@ -213,8 +213,8 @@ class DataParallel(torch.nn.Module):
             not optimizer.blocking
         # the next forward pass uses the buckets from the last launched on: hold back those the
         # links cannot carry during the backward pass and start them in that order at its end
-        # (HEATLIKE_HOLD_BACK=0: never)
-        self.grad_sync.hold_back = self._defers and hold_back
+        # (HEATLIKE_HOLD_BACK=0: never; one rank, exchanging with a lossy codec: nothing to hold)
+        self.grad_sync.hold_back = self._defers and hold_back and comm.size > 1
         self._in_wrapper = False  # inside forward(): the module's own hooks leave the work to it
         self._handles = [module.register_forward_pre_hook(WrapperHook(self._module_pre_hook))]
         if self.grad_sync.passthrough:  # one rank: nothing is ever pending or in flight
