@@ -77,7 +77,8 @@ agreed by a small all-reduce started at the end of each backward pass and taken 
 the next cycle, so the order of collectives is the same on every rank. Nothing is held in the
 first cycles or where the exchanges keep up with the computation. The values are unchanged:
 only the order in which the exchanges start. On the virtual cluster (4 ranks on 2 nodes,
-1 Gbit/s) a residual MLP of fourteen 1.6 MB gradients stepped 8% faster non-blocking this way.
+1 Gbit/s) a residual MLP of fourteen 1.6 MB gradients stepped 4-8% faster non-blocking this way
+(docs/data_parallel.md).
 
 ``check_finite=True`` checks every averaged bucket and raises ``FloatingPointError`` on every rank
 when it holds a NaN or an infinity (after completing the cycle's other exchanges). The averages
