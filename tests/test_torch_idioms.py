@@ -461,11 +461,9 @@ def test_zero_grad_of_the_module_while_an_update_is_pending(comm, set_to_none, t
     _assert_close(net, ref, f"{target}.zero_grad(set_to_none={set_to_none})")
 
 
-@pytest.mark.mpi
-def test_a_gradient_changed_behind_the_guard_raises_on_every_rank(comm):
-    """A ``.grad`` tensor kept from before ``step()`` and zeroed after it is not a read of a
-    parameter: the average in flight into it is lost, and the next forward raises on every
-    rank, naming what to call instead."""
+def _backward_of_a_deferred_model(comm):
+    """A non-blocking DataParallel model, its optimizer and its net after one backward pass
+    (skips at one rank, where nothing is deferred)."""
     if comm.size == 1:
         pytest.skip("one rank updates at once: nothing is deferred")
     net = _net()
@@ -473,12 +471,21 @@ def test_a_gradient_changed_behind_the_guard_raises_on_every_rank(comm):
     model = DataParallel(net, comm, optimizer=opt)
     x, y = _data(0, comm.rank)
     nn.functional.cross_entropy(model(x), y).backward()
+    return net, opt, model
+
+
+@pytest.mark.mpi
+def test_a_gradient_changed_behind_the_guard_raises_on_every_rank(comm):
+    """A ``.grad`` tensor kept from before ``step()`` and zeroed after it is not a read of a
+    parameter: the average in flight into it is lost, and the next forward raises on every
+    rank, naming what to call instead."""
+    net, opt, model = _backward_of_a_deferred_model(comm)
     grads = [p.grad for p in net.parameters()]
     opt.step()
     for g in grads:
         g.zero_()
     with pytest.raises(RuntimeError, match="were reset or changed after step.*kept from before"):
-        model(x)
+        model(_data(1, comm.rank)[0])
 
 
 def _l2(net: nn.Module) -> torch.Tensor:
@@ -616,13 +623,7 @@ def test_an_inert_read_guard_costs_compiled_code_no_graph_break(comm):
     not there (a live guard checks each call in a graph break)."""
     from torch._dynamo.utils import counters
 
-    if comm.size == 1:
-        pytest.skip("one rank updates at once: nothing is deferred")
-    net = _net()
-    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=LR), blocking=False)
-    model = DataParallel(net, comm, optimizer=opt)
-    x, y = _data(0, comm.rank)
-    nn.functional.cross_entropy(model(x), y).backward()
+    net, opt, model = _backward_of_a_deferred_model(comm)
     opt.step()
     guard = opt._guard
     del opt, model, net  # (the module's hooks hold the wrapper)
