@@ -1068,6 +1068,47 @@ def test_buckets_launch_during_backward(comm):
     assert all(n >= nb - 1 for n in seen[1:]), (seen, nb)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("deferred", [False, True], ids=["torch-optimizer", "deferred"])
+def test_a_step_its_verdict_refuses_issues_nothing_and_the_next_steps_train(comm, monkeypatch,
+                                                                            deferred):
+    """The step board's verdict on a training step (``StepBoard.confirm``) is taken in the
+    backward pass, before the step's first exchange. Where it raises (here on every rank, as a
+    verdict that a rank ended or runs another step does), the backward pass fails, nothing of
+    the step is issued then or by a later ``synchronize()``, and the steps that follow train
+    the single process's model. Before, the refused cycle stayed active: ``synchronize()`` (or
+    ``close()``) then started its exchanges with no verdict."""
+    local = Net(0)
+    reference = copy.deepcopy(local)
+    opt, ref_opt = _optimizer("sgd", local), _optimizer("sgd", reference)
+    if deferred:  # the update applied at the next forward
+        opt = DataParallelOptimizer(opt, blocking=False)
+    model = DataParallel(local, comm, optimizer=opt if deferred else None)
+    sync = model.grad_sync
+    board = sync._board
+    confirm = board.confirm
+
+    def refuse() -> None:
+        monkeypatch.setattr(board, "confirm", confirm)
+        raise RuntimeError("refused by the step board (test)")
+
+    _step_both(comm, model, opt, reference, ref_opt, 0)
+    monkeypatch.setattr(board, "confirm", refuse)
+    x, y = _data(1, B)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="refused by the step board"):
+        _loss(model(x, y), y).backward()
+    assert not sync.active and not sync._requests
+    sync.synchronize()
+    assert not sync._requests, "synchronize() started the refused step's exchanges"
+    for step in range(1, 4):
+        _step_both(comm, model, opt, reference, ref_opt, step)
+        model.flush()
+        torch.testing.assert_close(_flat(local), _flat(reference), **TOL, msg=f"step {step}")
+    _same_on_all_ranks(comm, local)
+    model.close()
+
+
 @pytest.mark.mpi(min_size=2)  # one rank has nothing to launch
 def test_a_bucket_launches_at_its_last_gradient_when_no_hook_follows(comm):
     """Where the engine's hook is a parameter's last post-accumulate-grad hook, the gradient is

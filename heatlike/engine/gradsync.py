@@ -615,8 +615,7 @@ class GradientSync:
         while self._next < len(self.buckets) and \
                 self._ready[self._next] == len(self.buckets[self._next].params):
             if self._unconfirmed:
-                self._unconfirmed = False
-                self._board.confirm()
+                self._confirm_step()
             bucket = self.buckets[self._next]
             if self._timing is not None:
                 self._timing.ready[self._next] = time.perf_counter()
@@ -625,6 +624,18 @@ class GradientSync:
             else:
                 self._start(bucket)
             self._next += 1
+
+    def _confirm_step(self) -> None:
+        """The step board's verdict on this cycle (posted deferred in :meth:`_begin`), taken
+        before its first exchange. Where it raises (a rank ended, or runs another step), the
+        cycle is over before anything of it was issued, as when the verdict was taken at its
+        start: a later ``synchronize()`` or ``close()`` starts no exchange of it."""
+        try:
+            self._board.confirm()
+        except BaseException:
+            self.active = False
+            raise
+        self._unconfirmed = False
 
     def _start(self, bucket: Bucket) -> None:
         if self._timing is not None and self._timing.first_start is None:
