@@ -256,3 +256,16 @@ class DynamoLog(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.extend(record.getMessage().splitlines())
+
+
+def sweep_case(comm, kept: bool) -> None:
+    """In a sweep over what each rank computes (layer kinds, ways to compile, models) rather
+    than over what the ranks exchange, skip the cases not ``kept`` beyond two ranks: the whole
+    sweep runs at one and two ranks, its kept cases at every size and on every layout of
+    nodes, so that every test function still runs everywhere and ``make test`` stays within
+    its time on two cores."""
+    import pytest
+
+    if comm.size > 2 and not kept:
+        pytest.skip("a case of a sweep over local work: whole at 1 and 2 ranks "
+                    "(tests/_helpers.py sweep_case)")

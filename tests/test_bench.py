@@ -809,14 +809,17 @@ def test_cluster_suite_in_a_running_job_reports_the_engines_bytes(tmp_path):
     assert schedule.get("local+send+merge") == 1 and schedule.get("local+merge@1", 0) >= 1
 
 
-@pytest.mark.parametrize("argv", [
+HELP_COMMANDS = [
     ["-m", "heatlike.bench", "--help"], ["-m", "heatlike.bench", "cluster", "--help"],
     ["-m", "heatlike.testing.cluster", "--help"], ["-m", "heatlike.testing.matrix", "--help"],
     ["-m", "heatlike.bench.plot", "--help"],
-    ["scripts/conformance/run_heat_tests.py", "--help"]])
-def test_every_command_line_prints_its_help(argv):
-    """``--help`` of every command the project ships prints the usage and exits 0 (a ``%`` in a
-    help text once made argparse raise instead)."""
+    ["scripts/conformance/run_heat_tests.py", "--help"]]
+
+
+@pytest.fixture(scope="module")
+def help_texts():
+    """Every command's ``--help``, all started at once (each spends seconds importing torch):
+    argv (joined) -> (exit status, stdout, stderr)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -824,9 +827,27 @@ def test_every_command_line_prints_its_help(argv):
     from heatlike.testing.matrix import _clean_env
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120,
-                          cwd=root, env=_clean_env())
-    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+    procs = {" ".join(argv): subprocess.Popen([sys.executable, *argv], cwd=root,
+                                              env=_clean_env(), text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for argv in HELP_COMMANDS}
+    texts = {}
+    for key, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        texts[key] = (proc.returncode, out, err)
+    return texts
+
+
+@pytest.mark.parametrize("argv", HELP_COMMANDS)
+def test_every_command_line_prints_its_help(argv, help_texts):
+    """``--help`` of every command the project ships prints the usage and exits 0 (a ``%`` in a
+    help text once made argparse raise instead)."""
+    code, out, err = help_texts[" ".join(argv)]
+    assert code == 0 and "usage:" in out, out + err
 
 
 def test_cluster_deep_model_is_a_residual_mlp_of_fourteen_layers():

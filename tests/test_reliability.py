@@ -336,26 +336,35 @@ def test_codec_memory_recovers_after_a_skipped_overflow(comm, codec):
     verify_replicas(net, comm)
 
 
+@pytest.mark.parametrize("stepped", ["DataParallelOptimizer", "torch optimizer"])
 @pytest.mark.parametrize("make", [Sign, lambda: Threshold(0.3),
                                   lambda: Clipped(Identity(), 1.0)],
                          ids=["sign", "threshold", "clipped"])
-def test_codecs_that_do_not_scale_refuse_a_grad_scaler_on_every_rank(comm, make):
+def test_codecs_that_do_not_scale_refuse_a_grad_scaler_on_every_rank(comm, make, stepped):
     """Sign's vote counts, Threshold's fixed threshold and Clipped's fixed limit do not scale
     with the loss scale, so GradScaler's unscaling changed the update (Sign: s times too small):
-    stepping the heatlike optimizer through a scaler raises ValueError on every rank, naming
-    what to use instead."""
+    stepping the heatlike optimizer through a scaler, or the program's own torch optimizer
+    (DataParallel without ``optimizer=``; before, not seen), raises ValueError on every rank,
+    naming what to use instead, and updates nothing."""
     net = nn.Linear(3, 2)
-    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=True)
-    model = DataParallel(net, comm, optimizer=opt, codec=make())
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    if stepped == "DataParallelOptimizer":
+        opt = DataParallelOptimizer(opt, blocking=True)
+        model = DataParallel(net, comm, optimizer=opt, codec=make())
+    else:
+        model = DataParallel(net, comm, codec=make())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    before = [p.detach().clone() for p in net.parameters()]
     opt.zero_grad()
     scaler.scale(model(torch.randn(2, 3)).sum()).backward()
     with pytest.raises(ValueError, match="does not scale with its input.*without a GradScaler"):
         scaler.step(opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
     opt.zero_grad()
     model(torch.randn(2, 3)).sum().backward()
     opt.step()  # without a scaler it trains
     verify_replicas(net, comm)
+    model.close()
 
 
 def test_settings_must_agree(comm):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import sweep_case
 from torch import nn
 
 import heatlike as hl
@@ -148,6 +149,7 @@ def _resumes_exactly(tmp_path, model: str, algorithm: str) -> None:
 @pytest.mark.parametrize("algorithm", ["allreduce", "allreduce-nonblocking", "daso"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_data_parallel_and_daso_resume_every_layer_kind_exactly(tmp_path, model, algorithm):
+    sweep_case(hl.MPI_WORLD, model in ("batchnorm", "transformer", "tied", "frozen"))
     _resumes_exactly(tmp_path, model, algorithm)
 
 
@@ -162,4 +164,5 @@ PRESETS = ["centralized-sgd", "centralized-adam", "custom-clip", "hierarchical",
 @pytest.mark.parametrize("model", ["batchnorm", "transformer", "tied"])
 def test_every_preset_resumes_conv_transformer_and_tied_models_exactly(tmp_path, model,
                                                                       algorithm):
+    sweep_case(hl.MPI_WORLD, model == "transformer")
     _resumes_exactly(tmp_path, model, algorithm)

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import DynamoLog
+from _helpers import DynamoLog, sweep_case
 from torch import nn
 
 from heatlike.nn import DataParallel
@@ -93,6 +93,7 @@ def test_compiled_data_parallel_trains_as_eager(comm, blocking, kind):
     """DataParallel, blocking and with deferred updates (one bucket per parameter, so that
     updates are applied one by one), compiled four ways: the parameters and BatchNorm's buffers
     after three steps are those of the same training without compilation."""
+    sweep_case(comm, (blocking, kind) in ((True, "wrapper"), (False, "module forward")))
     eager = _train_data_parallel(comm, _Net(), blocking, None)
     torch._dynamo.reset()
     compiled = _train_data_parallel(comm, _Net(), blocking, kind)
@@ -103,6 +104,7 @@ def test_compiled_data_parallel_trains_as_eager(comm, blocking, kind):
 def test_compiled_daso_trains_as_eager(comm, kind):
     """DASO's module wrapper under torch.compile: its schedule (which synchronization a batch's
     backward runs) is set before every forward, so the parameters equal eager training's."""
+    sweep_case(comm, kind == "module forward")
 
     def train(compile_kind):
         net = _Net()
@@ -140,6 +142,7 @@ def test_a_whole_compiled_training_step_trains_as_eager(comm, name):
     never traced: nothing of them is recompiled (before, dynamo traced each up to its graph break
     and compiled the rest once per parameter, or per hook signature, a recompilation each until
     its cache limit)."""
+    sweep_case(comm, name in ("allreduce-nonblocking", "daso"))
     recompiled: list[str] = []
 
     def train(compiled: bool):

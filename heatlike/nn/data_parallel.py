@@ -44,6 +44,7 @@ from ..engine.replicas import (
 )
 from ..optim.daso import DASO
 from ..optim.dp_optimizer import DataParallelOptimizer
+from ..optim.wrapping import watch_unscalable
 from .buffers import ModuleBuffers
 from .deferred import ApplyBeforeUse
 from .hooks import WrapperHook, compiled_parts, run_eagerly
@@ -207,6 +208,8 @@ class DataParallel(torch.nn.Module):
             names=[n for n, _ in named], fold_division=True)
         if optimizer is not None:
             optimizer._attach(self)
+        else:  # a GradScaler stepping the program's torch optimizer meets no heatlike step
+            watch_unscalable(self.grad_sync)
         # deferred updates are applied as the next forward first uses each parameter
         # (heatlike.nn.deferred): only a non-blocking optimizer defers them, only on several ranks
         self._defers = not self.grad_sync.passthrough and optimizer is not None and \

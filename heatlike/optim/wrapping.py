@@ -38,13 +38,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..engine.codecs import Codec, label_memory, rescale_memory
 from ..engine.hooks import EagerSteps
 
 __all__ = ["WrappedOptimizer", "materialized_group", "synchronized_check",
            "unsynchronized_grads", "amp_skip", "track", "driving_grad_scaler", "refuse_unscalable",
-           "LossScaleTracker"]
+           "watch_unscalable", "LossScaleTracker"]
 
 _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
@@ -314,6 +315,39 @@ def refuse_unscalable(codec: Codec, scaler: torch.amp.GradScaler | None) -> None
         f"{codec.name} does not scale with its input, so torch.amp.GradScaler's unscaling of "
         "its result would change the update: train it without a GradScaler (bfloat16 autocast "
         "needs none), or use a codec that scales (ScaledSign for Sign, TopK for Threshold)")
+
+
+#: gradient synchronizations whose codec does not scale (DataParallel with a torch optimizer
+#: stepped by the program itself): a GradScaler stepping such an optimizer is refused
+_UNSCALABLE: weakref.WeakSet = weakref.WeakSet()
+_step_hook: list = [None]
+
+
+def watch_unscalable(sync) -> None:
+    """Refuse (:func:`refuse_unscalable`) an enabled ``torch.amp.GradScaler`` that steps a torch
+    optimizer over parameters of ``sync`` (a :class:`~heatlike.engine.GradientSync`) whose
+    codec does not scale with its input, where the program steps that optimizer itself (no
+    heatlike optimizer is on the path to see the scaler). One global optimizer step pre-hook
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``) serves every such
+    synchronization while one is alive; the step raises before it updates anything, on every
+    rank (each steps through the same scaler)."""
+    if sync.codec.scale_equivariant:
+        return
+    _UNSCALABLE.add(sync)
+    if _step_hook[0] is None:
+        _step_hook[0] = register_optimizer_step_pre_hook(_refuse_scaled_steps)
+
+
+def _refuse_scaled_steps(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    if not _UNSCALABLE:
+        return
+    scaler = driving_grad_scaler()
+    if scaler is None or not scaler.is_enabled():
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for sync in list(_UNSCALABLE):
+        if not sync.closed and any(key in stepped for key in sync._where):
+            refuse_unscalable(sync.codec, scaler)
 
 
 class LossScaleTracker:
