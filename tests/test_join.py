@@ -191,6 +191,45 @@ def test_bad_joinables_raise_on_every_rank(comm):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="through a DataParallel"):
         Join([opt, CentralizedSGD(model=copy.deepcopy(net), lr=0.1, comm=comm)])
+    # each announces its own iterations: a rank out of inputs could not follow both (before,
+    # the training ranks waited for the second announcement while it stood in for the first)
+    with pytest.raises(ValueError, match="DataParallel models or centralized optimizers, not "
+                                         "both"):
+        Join([DataParallel(net, comm), CentralizedSGD(model=copy.deepcopy(net), lr=0.1,
+                                                      comm=comm)])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi_timeout(60)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "deferred"])
+@pytest.mark.parametrize("then", ["step", "backward outside"])
+def test_an_exchange_no_forward_announced_raises_on_every_rank(comm, blocking, then):
+    """Under Join the ranks out of inputs shadow a gradient exchange only where the iteration's
+    forward pass announced it. Gradients accumulated under ``no_sync()`` and averaged by
+    ``step()``, or a forward inside ``no_sync()`` whose backward runs outside it, exchange
+    without that announcement: a clear RuntimeError on every rank, here rank 0, out of inputs,
+    included (before, the training ranks waited forever for it in the exchange, and it for them in
+    the next announcement). The documented pattern, the last micro-step outside ``no_sync()``,
+    trains the combined batch's model (test_data_parallel_with_uneven_batches...)."""
+    net = _net()
+    opt = DataParallelOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    with pytest.raises(RuntimeError, match="did not announce.*outside no_sync"):
+        with Join([model]):
+            for step in range(1 if comm.rank == 0 else 3):
+                x, y = _batch(comm.rank, step)
+                opt.zero_grad()
+                if step == 0:  # as documented; then rank 0 has joined
+                    nn.functional.cross_entropy(model(x), y).backward()
+                elif then == "step":
+                    with model.no_sync():
+                        nn.functional.cross_entropy(model(x), y).backward()
+                else:
+                    with model.no_sync():
+                        out = model(x)
+                    nn.functional.cross_entropy(out, y).backward()
+                opt.step()
+    model.close()
 
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "deferred"])

@@ -372,7 +372,8 @@ class DataParallel(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes inside do not communicate. The next
         backward outside (or ``step()``) averages everything accumulated, including parameters
-        used only in earlier micro-steps."""
+        used only in earlier micro-steps. Under :class:`heatlike.nn.Join` the last micro-step's
+        forward and backward must run outside (RuntimeError on every rank otherwise)."""
         old = self.grad_sync.enabled
         self.grad_sync.enabled = False
         try:

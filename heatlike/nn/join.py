@@ -44,10 +44,15 @@ centralized gradient-averaging optimizers (``CentralizedSGD``, ``CentralizedAdam
 iterations of a DataParallel they belong to), :class:`~heatlike.optim.ZeroRedundancyOptimizer`
 included: one over a joined model's parameters must be among the joinables (``ValueError`` on
 every rank otherwise, where its shard exchange would wait forever for the rank that joined).
+DataParallel models and centralized optimizers are not joined together (``ValueError``). A
+shadow follows a gradient exchange only where the iteration's forward pass announced it (the
+notification's code); one that begins unannounced (a forward inside ``no_sync()``, then
+``step()`` or a backward pass outside it) raises ``RuntimeError`` on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -101,6 +106,16 @@ def _unjoined_zero_error(models: list, joinables: list) -> ValueError | None:
             "a rank out of inputs must step it with the others (their shard exchange would wait "
             "for it forever). Pass it too: Join([model, optimizer])")
     return None
+
+
+#: the code a training rank notifies with where a gradient exchange begins that no forward pass
+#: announced (1: the iteration's forward pass announced one, 0: it ran under ``no_sync()``)
+_UNANNOUNCED = 2
+_UNANNOUNCED_ERROR = (
+    "rank {rank}: under heatlike.nn.Join a gradient exchange began that the iteration's forward "
+    "pass did not announce (the forward ran inside no_sync() or in eval() mode, then a backward "
+    "pass outside it or step() averaged the gradients): the ranks out of inputs could not "
+    "follow it. Run the last micro-step's forward and backward outside no_sync()")
 
 
 class Join:
@@ -163,6 +178,11 @@ class Join:
         if error is None and self.torch_optimizers and not self.models:
             error = ValueError("torch optimizers join through a DataParallel model: pass the "
                                "model too")
+        if error is None and self.models and self.optimizers:
+            # each announces its iterations (the model at its forward, the optimizer at its
+            # first gradient): a rank out of inputs cannot tell one iteration's two apart
+            error = ValueError("Join takes DataParallel models or centralized optimizers, not "
+                               "both: train the two models with one kind of synchronization")
         if error is None and enable:
             error = _sync_batchnorm_error(self.models, self.optimizers,
                                           throw_on_early_termination)
@@ -176,6 +196,7 @@ class Join:
         self.joined = False
         self.active = comm.size  # ranks still training, from the last notification
         self._forwarded: list[DataParallel] = []  # run forward since the iteration began
+        self._announced: set[int] = set()  # models whose exchange this iteration announced
         self._order = list(self.models)  # the forward order of the last complete iteration
         self._channel: MPI.Intracomm | None = None
 
@@ -193,6 +214,7 @@ class Join:
         for model in self.models:
             model._join = self
             model.grad_sync.posts_steps = False
+            model.grad_sync.on_begin = functools.partial(self._exchange_begins, model)
         for opt in self.optimizers:
             opt.sync.on_begin = lambda: self.notify(True)
         _CURRENT.append(self)
@@ -210,6 +232,7 @@ class Join:
                 model._join = None
                 model._buffer_root = 0
                 model.grad_sync.posts_steps = True
+                model.grad_sync.on_begin = None
             for opt in self.optimizers:
                 opt.sync.on_begin = None
             self._set_denominators(self.comm.size)
@@ -255,6 +278,7 @@ class Join:
                 self._order = list(self._forwarded)
             self._forwarded = [model]
         self.iterations += 1
+        self._announced = {id(m) for m in self.models} if syncing else set()
         self.active, _ = self._allreduce(1, int(syncing))
         if self.throw and self.active < self.comm.size:
             raise RuntimeError(f"rank {self.comm.rank}: {self.comm.size - self.active} rank(s) "
@@ -263,6 +287,21 @@ class Join:
             self._post_step()
         self._set_denominators(self.active)
         return True
+
+    def _exchange_begins(self, model: DataParallel) -> None:
+        """``model``'s gradient exchange begins on a training rank (its first gradient, or
+        ``step()`` after backward passes that did not synchronize). The ranks out of inputs
+        shadow an exchange only where the iteration's forward pass announced it; one it did not
+        (a forward pass inside ``no_sync()``, then a backward pass outside it or ``step()``)
+        raises RuntimeError on every rank, those out of inputs included, where it would leave
+        them behind."""
+        if self.joined or self._channel is None:
+            return
+        if id(model) in self._announced:
+            self._announced.discard(id(model))
+            return
+        self._allreduce(1, _UNANNOUNCED)
+        raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
 
     def _post_step(self) -> None:
         """A training step on the step board (``heatlike.engine.liveness``): one per iteration
@@ -290,6 +329,8 @@ class Join:
             active, syncing = self._allreduce(0, 0)
             if active == 0:
                 break
+            if syncing > active:  # (each training rank sent _UNANNOUNCED)
+                raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
             if self.throw:
                 raise RuntimeError(f"rank {self.comm.rank} ran out of inputs after "
                                    f"{self.iterations} iteration(s) while {active} rank(s) "
