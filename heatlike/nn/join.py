@@ -108,9 +108,14 @@ def _unjoined_zero_error(models: list, joinables: list) -> ValueError | None:
     return None
 
 
-#: the code a training rank notifies with where a gradient exchange begins that no forward pass
-#: announced (1: the iteration's forward pass announced one, 0: it ran under ``no_sync()``)
-_UNANNOUNCED = 2
+def _unannounced(size: int) -> int:
+    """The code a training rank notifies with where a gradient exchange begins that no forward
+    pass announced (1: the iteration's forward pass announced one, 0: it ran under
+    ``no_sync()``): larger than the ranks' other codes together, so that every rank, training
+    or not, sees the sum exceed the number of training ranks once any rank sent it."""
+    return size + 1
+
+
 _UNANNOUNCED_ERROR = (
     "rank {rank}: under heatlike.nn.Join a gradient exchange began that the iteration's forward "
     "pass did not announce (the forward ran inside no_sync() or in eval() mode, then a backward "
@@ -279,7 +284,9 @@ class Join:
             self._forwarded = [model]
         self.iterations += 1
         self._announced = {id(m) for m in self.models} if syncing else set()
-        self.active, _ = self._allreduce(1, int(syncing))
+        self.active, codes = self._allreduce(1, int(syncing))
+        if codes > self.active:  # another training rank's exchange was not announced
+            raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
         if self.throw and self.active < self.comm.size:
             raise RuntimeError(f"rank {self.comm.rank}: {self.comm.size - self.active} rank(s) "
                                "ran out of inputs (Join(throw_on_early_termination=True))")
@@ -300,7 +307,7 @@ class Join:
         if id(model) in self._announced:
             self._announced.discard(id(model))
             return
-        self._allreduce(1, _UNANNOUNCED)
+        self._allreduce(1, _unannounced(self.comm.size))
         raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
 
     def _post_step(self) -> None:
@@ -329,7 +336,7 @@ class Join:
             active, syncing = self._allreduce(0, 0)
             if active == 0:
                 break
-            if syncing > active:  # (each training rank sent _UNANNOUNCED)
+            if syncing > active:  # some training rank sent _unannounced()
                 raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
             if self.throw:
                 raise RuntimeError(f"rank {self.comm.rank} ran out of inputs after "
