@@ -286,6 +286,78 @@ def test_requeue_script_requeues_on_usr1_and_the_next_run_resumes(tmp_path):
     assert calls.read_text() == "requeue 4242\n", "requeued again without a signal"
 
 
+# srun --kill-on-bad-exit as the batch script sees it when it terminated a rank still exiting
+# after another had left with 75: the step's status is that rank's signal
+KILL_ON_BAD_EXIT = """#!/bin/bash
+"$@" &
+pid=$!
+trap 'kill -USR1 $pid' USR1
+while true; do
+    if wait $pid; then status=0; else status=$?; fi
+    kill -0 $pid 2>/dev/null || break
+done
+if [ $status = 75 ]; then exit 143; fi
+exit $status
+"""
+
+# a step whose ranks end on the signal before saving (killed; the checkpoint on disk is older)
+DIES_ON_SIGNAL = """#!/bin/bash
+while [ $# -gt 0 ]; do
+    if [ "$1" = --checkpoint ]; then echo periodic > "$2"; fi
+    shift
+done
+trap 'exit 143' USR1
+while true; do sleep 0.05; done
+"""
+
+
+def _launcher(directory: Path, name: str, text: str) -> Path:
+    path = directory / name
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def _scontrol_stub(directory: Path) -> tuple[Path, Path]:
+    """A stand-in ``scontrol`` that records its arguments: its directory (for PATH), the record."""
+    stub_dir = directory / "bin"
+    stub_dir.mkdir()
+    calls = directory / "scontrol.calls"
+    _launcher(stub_dir, "scontrol", f'#!/bin/sh\necho "$@" >> "{calls}"\n')
+    return stub_dir, calls
+
+
+def test_requeue_script_requeues_when_srun_terminated_a_rank_after_the_save(tmp_path):
+    """srun --kill-on-bad-exit terminates the ranks still exiting once the first has left with
+    75, and the step's status is then their signal's (143): the checkpoint saved after the signal
+    decides, and the job is requeued."""
+    stub_dir, calls = _scontrol_stub(tmp_path)
+    wrapper = _launcher(tmp_path, "srun-kill-on-bad-exit", KILL_ON_BAD_EXIT)
+    env = _env(EPOCHS="4", SAVE_EVERY="5", SLURM_JOB_ID="4244",
+               LAUNCH=f"{wrapper} {mpiexec()} -n 2")
+    env["PATH"] = f"{stub_dir}{os.pathsep}{env['PATH']}"
+    checkpoint = tmp_path / "checkpoints" / "resume-4244.ckpt"
+    returncode, out = _requeue_with_usr1_at_checkpoint(tmp_path, env, checkpoint)
+    assert returncode == 0, out
+    assert re.search(r"SIGUSR1: saved after step \d+ in \S+; run again", out), out
+    assert "ended with status 143 after saving" in out and "job 4244: requeued" in out, out
+    assert calls.read_text() == "requeue 4244\n", out
+
+
+def test_requeue_script_does_not_requeue_a_step_that_ended_before_saving(tmp_path):
+    """A step that ends on the signal without a save after it (its ranks killed) is not requeued:
+    the script ends with the step's status and says so."""
+    stub_dir, calls = _scontrol_stub(tmp_path)
+    launcher = _launcher(tmp_path, "dies-on-signal", DIES_ON_SIGNAL)
+    env = _env(SLURM_JOB_ID="4245", LAUNCH=str(launcher))
+    env["PATH"] = f"{stub_dir}{os.pathsep}{env['PATH']}"
+    checkpoint = tmp_path / "checkpoints" / "resume-4245.ckpt"
+    returncode, out = _requeue_with_usr1_at_checkpoint(tmp_path, env, checkpoint)
+    assert returncode == 143, out
+    assert "the training step ended with status 143 after the signal" in out, out
+    assert "requeued" not in out and not calls.exists(), out
+
+
 def test_requeue_script_trains_on_after_max_restarts(tmp_path):
     """A SIGUSR1 after MAX_RESTARTS requeues is declined and the step trains to its end: the
     trap returns 0, so that set -e does not end the script with the interrupted wait's
