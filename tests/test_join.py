@@ -232,6 +232,37 @@ def test_an_exchange_no_forward_announced_raises_on_every_rank(comm, blocking, t
     model.close()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi_timeout(60)
+@pytest.mark.parametrize("where", ["first", "second"])
+def test_non_finite_parameters_under_join_raise_on_every_rank(comm, where):
+    """DataParallel(check_finite=True) under Join: the training ranks' parameters become NaN
+    (here set by hand, on the training ranks only) after rank 0 ran out of inputs. The
+    notification carries the verdict: FloatingPointError on every rank, rank 0 included, in
+    the model that runs forward first or in the second (which notifies no more). Before, the
+    training ranks raised after the notification while rank 0 waited in its shadow of their
+    exchange until they ended."""
+    torch.manual_seed(3)
+    encoder, head = nn.Sequential(nn.Linear(6, 16), nn.Tanh()), nn.Linear(16, 3)
+    enc = DataParallel(encoder, comm, check_finite=True)
+    top = DataParallel(head, comm, check_finite=True)
+    opt = torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1)
+    broken = encoder[0].weight if where == "first" else head.weight
+    message = r"non-finite parameters \[.*weight.*\]" if comm.rank else "on the training ranks"
+    with pytest.raises(FloatingPointError, match=message):
+        with Join([enc, top, opt]):
+            for step in range(1 if comm.rank == 0 else 3):
+                if step == 2:
+                    with torch.no_grad():
+                        broken[0, 0] = float("nan")
+                x, y = _batch(comm.rank, step)
+                opt.zero_grad()
+                nn.functional.cross_entropy(top(enc(x)), y).backward()
+                opt.step()
+    enc.close()
+    top.close()
+
+
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "deferred"])
 @pytest.mark.parametrize("codec", [None, "topk"])
 def test_ranks_a_step_apart_are_not_uneven_batches(comm, codec, blocking):
@@ -345,6 +376,29 @@ def test_two_models_trained_together_join_once_per_iteration(comm):
     the shadows exchanging the head's gradients before the encoder's, as backward does, and
     the optimizer stepped once (before: every forward notified, the rank out of inputs shadowed
     both models twice per iteration and the job hung)."""
+    encoder, head, ref_params, ref_opt = _encoder_and_head(comm)
+    enc, top = DataParallel(encoder, comm), DataParallel(head, comm)
+    params = [*encoder.parameters(), *head.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    with Join([top, enc, opt]) as join:  # listed in another order than they run
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(top(enc(x)), y).backward()
+            opt.step()
+    assert join.iterations == _steps(comm.rank)
+    for p, q in zip(params, ref_params):
+        assert torch.allclose(p, q, **TOL), "parameters"
+        assert torch.allclose(opt.state[p]["momentum_buffer"],
+                              ref_opt.state[q]["momentum_buffer"], **TOL), "momentum"
+    hl.nn.verify_replicas(encoder, comm)
+    hl.nn.verify_replicas(head, comm)
+
+
+def _encoder_and_head(comm):
+    """An encoder (with BatchNorm, kept in eval mode) and a head, and the reference: their
+    parameters and SGD optimizer (momentum 0.9) after the uneven run, replayed in one process
+    with the combined batch of the ranks still training at each step."""
     torch.manual_seed(3)
     encoder = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh())
     head = nn.Linear(16, 3)
@@ -362,22 +416,45 @@ def test_two_models_trained_together_join_once_per_iteration(comm):
         nn.functional.cross_entropy(ref_head(ref_encoder(x)), y).backward()
         ref_opt.step()
     encoder[1].eval()
-    enc, top = DataParallel(encoder, comm), DataParallel(head, comm)
-    params = [*encoder.parameters(), *head.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    with Join([top, enc, opt]) as join:  # listed in another order than they run
+    return encoder, head, ref_params, ref_opt
+
+
+@pytest.mark.parametrize("check_finite", [False, True], ids=["", "check_finite"])
+def test_two_models_with_held_buckets_and_their_own_optimizers_join(comm, monkeypatch,
+                                                                     check_finite):
+    """Two models, each with its own non-blocking DataParallelOptimizer, buckets held to the end
+    of the backward pass (forced), optionally checking finiteness: the training ranks start
+    both models' buckets during the backward pass and each model's held buckets and flags in
+    its end-of-backward callback, all on one communicator; a rank out of inputs shadows them in
+    that order (before: one model whole, then the other, so the collectives were matched with
+    the wrong ones: an MPI error or wrong sums). The model is the single process's."""
+    from heatlike.engine import gradsync
+
+    monkeypatch.setattr(gradsync, "hold_from", lambda timing, nbytes: 1)
+    monkeypatch.setattr(gradsync, "INPLACE_MIN_BYTES", 64)
+    monkeypatch.setattr(sys.modules[__name__], "_steps", lambda rank: 5 + 2 * rank)
+    encoder, head, ref_params, ref_opt = _encoder_and_head(comm)
+    opts = [DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                  blocking=False) for m in (encoder, head)]
+    enc = DataParallel(encoder, comm, opts[0], check_finite=check_finite)
+    top = DataParallel(head, comm, opts[1], check_finite=check_finite)
+    with Join([enc, top]):
         for step in range(_steps(comm.rank)):
             x, y = _batch(comm.rank, step)
-            opt.zero_grad()
+            for opt in opts:
+                opt.zero_grad()
             nn.functional.cross_entropy(top(enc(x)), y).backward()
-            opt.step()
-    assert join.iterations == _steps(comm.rank)
+            for opt in opts:
+                opt.step()
+    for opt in opts:
+        opt.flush()
+    params = [*encoder.parameters(), *head.parameters()]
     for p, q in zip(params, ref_params):
         assert torch.allclose(p, q, **TOL), "parameters"
-        assert torch.allclose(opt.state[p]["momentum_buffer"],
-                              ref_opt.state[q]["momentum_buffer"], **TOL), "momentum"
     hl.nn.verify_replicas(encoder, comm)
     hl.nn.verify_replicas(head, comm)
+    enc.close()
+    top.close()
 
 
 def test_clipping_between_backward_and_step_ends_in_equal_optimizer_states(comm):

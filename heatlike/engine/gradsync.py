@@ -862,9 +862,13 @@ class GradientSync:
             raise RuntimeError("this gradient synchronization was closed (close()): its model "
                                "or optimizer no longer synchronizes; build a new one")
 
-    def launch_all(self) -> None:
-        """Fill in every parameter that has not reported and launch every bucket (collective:
-        all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
+    def launch_filled(self) -> None:
+        """Fill in every parameter that has not reported and start the buckets a backward pass
+        starts as they fill (the held ones wait for :meth:`launch_all`), none of the collectives
+        of the end of a backward pass. A rank out of inputs (``heatlike.nn.Join``) shadowing
+        several models calls this for each before :meth:`launch_all` for each: the training
+        ranks' backward pass starts every model's buckets before any model's end-of-backward
+        callback starts its held buckets and flags, all on one communicator."""
         self._check_open()
         if self.passthrough:
             return
@@ -878,6 +882,14 @@ class GradientSync:
                 if not self._marked[b][i]:
                     self._mark(b, i, p.grad)
         self._launch_ready()
+
+    def launch_all(self) -> None:
+        """Fill in every parameter that has not reported and launch every bucket (collective:
+        all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
+        self._check_open()
+        if self.passthrough:
+            return
+        self.launch_filled()
         if self._timing is not None and self._timing.end is None:
             self._timing.end = time.perf_counter()
         self._start_held()

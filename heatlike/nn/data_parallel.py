@@ -294,7 +294,7 @@ class DataParallel(torch.nn.Module):
         begins = False  # under Join: whether this forward begins an iteration
         if self._join is not None and self.training:
             begins = self._join.notify(torch.is_grad_enabled() and self.grad_sync.enabled, self)
-        if self.check_finite and self.training:
+        if self.check_finite and self.training and self._join is None:  # else: in notify()
             bad = [n for n, p in self.module.named_parameters()
                    if not bool(torch.isfinite(p).all())]
             if bad:  # the replicas are equal, so every rank finds the same

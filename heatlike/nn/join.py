@@ -47,7 +47,10 @@ every rank otherwise, where its shard exchange would wait forever for the rank t
 DataParallel models and centralized optimizers are not joined together (``ValueError``). A
 shadow follows a gradient exchange only where the iteration's forward pass announced it (the
 notification's code); one that begins unannounced (a forward inside ``no_sync()``, then
-``step()`` or a backward pass outside it) raises ``RuntimeError`` on every rank.
+``step()`` or a backward pass outside it) raises ``RuntimeError`` on every rank. A DataParallel
+built with ``check_finite=True`` checks its parameters before each notification, which carries
+the verdict: non-finite parameters raise ``FloatingPointError`` on every rank, those out of
+inputs included.
 """
 
 from __future__ import annotations
@@ -121,6 +124,10 @@ _UNANNOUNCED_ERROR = (
     "pass did not announce (the forward ran inside no_sync() or in eval() mode, then a backward "
     "pass outside it or step() averaged the gradients): the ranks out of inputs could not "
     "follow it. Run the last micro-step's forward and backward outside no_sync()")
+
+
+_NONFINITE_ERROR = (
+    "rank {rank}: non-finite parameters on the training ranks (check_finite)")
 
 
 class Join:
@@ -247,8 +254,11 @@ class Join:
 
     # -- protocol ------------------------------------------------------------------------------
 
-    def _allreduce(self, active: int, syncing: int) -> tuple[int, int]:
-        counts = np.array([active, syncing], dtype=np.int64)
+    def _allreduce(self, active: int, syncing: int, nonfinite: int = 0) -> tuple[int, int, int]:
+        """One notification: the sums of ``active`` (training ranks), ``syncing`` (their codes:
+        1 for an iteration that exchanges gradients, :func:`_unannounced`) and ``nonfinite``
+        (ranks whose checked parameters are not finite)."""
+        counts = np.array([active, syncing, nonfinite], dtype=np.int64)
         highest = np.array([self.comm.rank if active else -1], dtype=np.int64)
         requests = [self._channel.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM),
                     self._channel.Iallreduce(MPI.IN_PLACE, highest, MPI.MAX)]
@@ -265,7 +275,7 @@ class Join:
         if highest[0] >= 0:
             for model in self.models:
                 model._buffer_root = int(highest[0])
-        return int(counts[0]), int(counts[1])
+        return int(counts[0]), int(counts[1]), int(counts[2])
 
     def notify(self, syncing: bool, model: DataParallel | None = None) -> bool:
         """A training rank starts an iteration (called by the joinables' hooks); True if this
@@ -284,9 +294,13 @@ class Join:
             self._forwarded = [model]
         self.iterations += 1
         self._announced = {id(m) for m in self.models} if syncing else set()
-        self.active, codes = self._allreduce(1, int(syncing))
+        bad = self._nonfinite()
+        self.active, codes, nonfinite = self._allreduce(1, int(syncing), int(bool(bad)))
         if codes > self.active:  # another training rank's exchange was not announced
             raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
+        if nonfinite:
+            raise FloatingPointError(f"non-finite parameters {bad[:5]} (check_finite)" if bad
+                                     else _NONFINITE_ERROR.format(rank=self.comm.rank))
         if self.throw and self.active < self.comm.size:
             raise RuntimeError(f"rank {self.comm.rank}: {self.comm.size - self.active} rank(s) "
                                "ran out of inputs (Join(throw_on_early_termination=True))")
@@ -294,6 +308,14 @@ class Join:
             self._post_step()
         self._set_denominators(self.active)
         return True
+
+    def _nonfinite(self) -> list[str]:
+        """Names of the non-finite parameters of the training models built with
+        ``check_finite=True`` (checked at each notification: a second model's forward in the
+        same iteration notifies no more, and its parameters have not changed since)."""
+        return [name for model in self.models if model.check_finite and model.training
+                for name, p in model.module.named_parameters()
+                if not bool(torch.isfinite(p).all())]
 
     def _exchange_begins(self, model: DataParallel) -> None:
         """``model``'s gradient exchange begins on a training rank (its first gradient, or
@@ -307,7 +329,7 @@ class Join:
         if id(model) in self._announced:
             self._announced.discard(id(model))
             return
-        self._allreduce(1, _unannounced(self.comm.size))
+        self._allreduce(1, _unannounced(self.comm.size), 0)
         raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
 
     def _post_step(self) -> None:
@@ -333,11 +355,13 @@ class Join:
         for model in self.models:
             model.flush()
         while True:
-            active, syncing = self._allreduce(0, 0)
+            active, syncing, nonfinite = self._allreduce(0, 0, 0)
             if active == 0:
                 break
             if syncing > active:  # some training rank sent _unannounced()
                 raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
+            if nonfinite:
+                raise FloatingPointError(_NONFINITE_ERROR.format(rank=self.comm.rank))
             if self.throw:
                 raise RuntimeError(f"rank {self.comm.rank} ran out of inputs after "
                                    f"{self.iterations} iteration(s) while {active} rank(s) "
@@ -351,17 +375,23 @@ class Join:
         self.sync_buffers()
         if syncing:
             # in the order the others' backward passes produce them: the reverse of the
-            # models' forward order (as this rank ran its own iterations)
-            for model in reversed(self._order):
-                sync = model.grad_sync
-                for p in sync.params:
+            # models' forward order (as this rank ran its own iterations); every model's
+            # buckets as they fill, then the end of the backward pass for each (its held
+            # buckets and flags), as the others' end-of-backward callbacks run
+            models = list(reversed(self._order))
+            for model in models:
+                for p in model.grad_sync.params:
                     p.grad = None
+            for model in models:
+                model.grad_sync.launch_filled()
+            for model in models:
+                model.grad_sync.launch_all()
+            for model in models:
                 if model.optimizer is not None:
                     model.optimizer.step()
                     model.optimizer.flush()
                 else:
-                    sync.launch_all()
-                    sync.synchronize()
+                    model.grad_sync.synchronize()
             if any(model.optimizer is None for model in self.models):
                 for opt in self.torch_optimizers:  # once per iteration, as the others do
                     opt.step()
