@@ -457,6 +457,95 @@ def test_two_models_with_held_buckets_and_their_own_optimizers_join(comm, monkey
     top.close()
 
 
+
+def _no_batch_on_rank_0(rank: int) -> int:
+    return 0 if rank == 0 else 2 + rank
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("optimizers", ["torch", "deferred"])
+def test_a_rank_without_batches_follows_two_models_listed_out_of_forward_order(
+        comm, monkeypatch, optimizers):
+    """Rank 0 has no batch at all, so it never sees the order the models run forward in; they
+    are listed the other way round. The notification tells it the model that runs first, and
+    its shadows exchange their gradients in the training ranks' order: the single process's
+    model (before: the two models' exchanges met the wrong ones, and the model diverged)."""
+    monkeypatch.setattr(sys.modules[__name__], "_steps", _no_batch_on_rank_0)
+    encoder, head, ref_params, _ = _encoder_and_head(comm)
+    if optimizers == "torch":
+        opts = [torch.optim.SGD([*encoder.parameters(), *head.parameters()], lr=0.1,
+                                momentum=0.9)]
+        enc, top = DataParallel(encoder, comm), DataParallel(head, comm)
+        joinables = [top, enc, *opts]
+    else:
+        opts = [DataParallelOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                      blocking=False) for m in (encoder, head)]
+        enc = DataParallel(encoder, comm, opts[0])
+        top = DataParallel(head, comm, opts[1])
+        joinables = [top, enc]
+    with Join(joinables):
+        for step in range(_steps(comm.rank)):
+            x, y = _batch(comm.rank, step)
+            for opt in opts:
+                opt.zero_grad()
+            nn.functional.cross_entropy(top(enc(x)), y).backward()
+            for opt in opts:
+                opt.step()
+    for opt in opts:
+        if isinstance(opt, DataParallelOptimizer):
+            opt.flush()
+    for p, q in zip([*encoder.parameters(), *head.parameters()], ref_params):
+        assert torch.allclose(p, q, **TOL), "parameters"
+    enc.close()
+    top.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi_timeout(60)
+@pytest.mark.parametrize("listed", ["in forward order", "otherwise"])
+def test_three_models_and_a_rank_without_batches(comm, monkeypatch, listed):
+    """Three models of equal shapes (so that mismatched exchanges would sum the wrong model's
+    gradients without an MPI error) and rank 0 without any batch: listed in forward order, the
+    single process's models; listed otherwise, the first iteration's exchanges were shadowed in
+    a wrong order, and the notification that first carries the order raises RuntimeError on
+    every rank (before: wrong models, silently)."""
+    monkeypatch.setattr(sys.modules[__name__], "_steps", _no_batch_on_rank_0)
+    torch.manual_seed(5)
+    nets = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)]
+    refs = copy.deepcopy(nets)
+    ref_opt = torch.optim.SGD([p for r in refs for p in r.parameters()], lr=0.1)
+    for step in range(max(_steps(r) for r in range(comm.size))):
+        active = [r for r in range(comm.size) if step < _steps(r)]
+        x = torch.cat([_batch(r, step)[0] for r in active])
+        y = torch.cat([_batch(r, step)[1] for r in active])
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(refs[2](refs[1](refs[0](x)))[:, :3], y).backward()
+        ref_opt.step()
+    models = [DataParallel(net, comm) for net in nets]
+    opt = torch.optim.SGD([p for net in nets for p in net.parameters()], lr=0.1)
+    joinables = [*models, opt] if listed == "in forward order" else [models[2], models[0],
+                                                                       models[1], opt]
+
+    def train():
+        with Join(joinables):
+            for step in range(_steps(comm.rank)):
+                x, y = _batch(comm.rank, step)
+                opt.zero_grad()
+                out = models[2](models[1](models[0](x)))
+                nn.functional.cross_entropy(out[:, :3], y).backward()
+                opt.step()
+
+    if listed == "otherwise":
+        with pytest.raises(RuntimeError, match="in the order they run forward"):
+            train()
+    else:
+        train()
+        for net, ref in zip(nets, refs):
+            for p, q in zip(net.parameters(), ref.parameters()):
+                assert torch.allclose(p, q, **TOL), "parameters"
+    for model in models:
+        model.close()
+
 def test_clipping_between_backward_and_step_ends_in_equal_optimizer_states(comm):
     """What the loop does between backward and step (here clip_grad_norm_) the shadows cannot
     repeat; when every rank has joined, the last rank's parameters and optimizer state are

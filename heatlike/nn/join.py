@@ -3,8 +3,9 @@
 ``with heatlike.nn.Join([model, optimizer]):`` around a training loop lets ranks run different
 numbers of iterations (torch's ``Join`` semantics):
 
-* At the start of every iteration a rank still training *notifies*: a sum of ``[1, syncing]``
-  and a maximum of its rank, two small concurrent all-reduces on a private duplicate of the
+* At the start of every iteration a rank still training *notifies*: a sum of ``[1, syncing,
+  non-finite]`` and a maximum of ``[its rank, the notifying model, the models' forward order]``,
+  two small concurrent all-reduces on a private duplicate of the
   communicator (from the forward pre-hook of a :class:`~heatlike.nn.DataParallel`, or when a
   centralized optimizer's gradient synchronization begins). They tell every rank how many ranks
   A are still training, and the highest of them, which from then on broadcasts the buffers
@@ -22,7 +23,9 @@ numbers of iterations (torch's ``Join`` semantics):
 Several DataParallel models trained together (each run forward once per iteration) notify once
 per iteration, from the first forward: :meth:`Join.sync_buffers` then synchronizes every joined
 model's buffers, and a shadow exchanges their gradients in the reverse of their forward order
-(as backward produces them) and steps the torch optimizers once. Shadows step with the averaged
+(as backward produces them: every model's buckets, then each model's end of the backward pass)
+and steps the torch optimizers once. A rank that never ran forward (no batch at all) learns that
+order from the notifications (:meth:`Join._order_codes`). Shadows step with the averaged
 gradients as the exchange leaves them, so what the loop does between backward and step
 (clipping, a per-iteration scheduler) is not repeated there: after the last iteration the last
 rank's torch optimizer states and settings are broadcast with the parameters. A
@@ -126,6 +129,12 @@ _UNANNOUNCED_ERROR = (
     "follow it. Run the last micro-step's forward and backward outside no_sync()")
 
 
+_ORDER_ERROR = (
+    "rank {rank}: under heatlike.nn.Join a rank without any batch stood in for the first "
+    "iteration taking the models in the order of the joinables, but they run forward in another "
+    "order (joinable indices {order}): the first iteration's gradient exchanges were mismatched. "
+    "List the DataParallel models in Join([...]) in the order they run forward")
+
 _NONFINITE_ERROR = (
     "rank {rank}: non-finite parameters on the training ranks (check_finite)")
 
@@ -210,6 +219,8 @@ class Join:
         self._forwarded: list[DataParallel] = []  # run forward since the iteration began
         self._announced: set[int] = set()  # models whose exchange this iteration announced
         self._order = list(self.models)  # the forward order of the last complete iteration
+        self._order_known = False  # _order was seen (or heard), not assumed
+        self._heard: tuple[int, int] = (-1, -1)  # the last notification's (first, order) codes
         self._channel: MPI.Intracomm | None = None
 
     # -- the context ---------------------------------------------------------------------------
@@ -223,6 +234,9 @@ class Join:
         self._channel = _checks.private_duplicate(self.comm, "entering heatlike.nn.Join")
         self.iterations, self.joined, self.active = 0, False, self.comm.size
         self._forwarded, self._order = [], list(self.models)
+        self._order_known, self._heard, self._notifying = False, (-1, -1), None
+        self._first_active: int | None = None  # training ranks at the first notification
+        self._order_checked = False
         for model in self.models:
             model._join = self
             model.grad_sync.posts_steps = False
@@ -259,7 +273,9 @@ class Join:
         1 for an iteration that exchanges gradients, :func:`_unannounced`) and ``nonfinite``
         (ranks whose checked parameters are not finite)."""
         counts = np.array([active, syncing, nonfinite], dtype=np.int64)
-        highest = np.array([self.comm.rank if active else -1], dtype=np.int64)
+        # and the highest training rank, and the models' forward order (_order_codes)
+        highest = np.array([self.comm.rank if active else -1, *self._order_codes(active)],
+                           dtype=np.int64)
         requests = [self._channel.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM),
                     self._channel.Iallreduce(MPI.IN_PLACE, highest, MPI.MAX)]
         board = self.comm._hub.board
@@ -275,7 +291,57 @@ class Join:
         if highest[0] >= 0:
             for model in self.models:
                 model._buffer_root = int(highest[0])
+        self._heard = (int(highest[1]), int(highest[2]))
+        if self._first_active is None:
+            self._first_active = int(counts[0])
+        if self._heard[1] >= 0 and not self._order_checked:
+            self._order_checked = True
+            order = self._decode(self._heard[1])
+            if self._first_active < self.comm.size and order != self._guess(order[0]):
+                raise RuntimeError(_ORDER_ERROR.format(rank=self.comm.rank, order=[
+                    self.models.index(m) for m in order]))
         return int(counts[0]), int(counts[1]), int(counts[2])
+
+    def _order_codes(self, active: int) -> tuple[int, int]:
+        """What a training rank tells the ranks out of inputs of the models' forward order, for
+        a rank that never ran forward (no batch at all) to shadow their exchanges in the order
+        the training ranks' backward passes run them: the index of the model whose forward
+        notifies (the first), and the order of the last complete iteration as base-n digits
+        (-1 where not known, or for more than 15 models). The same on every training rank, -1
+        on the others: a maximum over the ranks delivers them."""
+        if not active:
+            return -1, -1
+        first = next((i for i, m in enumerate(self.models) if m is self._notifying), -1)
+        n = len(self.models)
+        order = -1
+        if self._order_known and n <= 15:
+            index = {id(m): i for i, m in enumerate(self.models)}
+            order = sum(index[id(m)] * n ** k for k, m in enumerate(self._order))
+        return first, order
+
+    def _decode(self, order: int) -> list[DataParallel]:
+        n = len(self.models)
+        return [self.models[(order // n ** k) % n] for k in range(n)]
+
+    def _guess(self, first: DataParallel) -> list[DataParallel]:
+        """The forward order a rank without a batch assumes in the first iteration: the model
+        that notified, then the others in the joinables' order (right for two models)."""
+        return [first] + [m for m in self.models if m is not first]
+
+    def _learn_order(self) -> None:
+        """On a rank out of inputs that never saw the models' forward order: take it from the
+        notification (the last complete iteration's, else :meth:`_guess`). Where a rank had no
+        batch and the guess was wrong (three or more models, listed in another order than they
+        run forward), the notification that first carries the order raises RuntimeError on
+        every rank (in :meth:`_allreduce`): the first iteration's exchanges were mismatched."""
+        if self._order_known:
+            return
+        first, order = self._heard
+        if order >= 0:
+            self._order = self._decode(order)
+            self._order_known = True
+        elif first >= 0:
+            self._order = self._guess(self.models[first])
 
     def notify(self, syncing: bool, model: DataParallel | None = None) -> bool:
         """A training rank starts an iteration (called by the joinables' hooks); True if this
@@ -291,10 +357,12 @@ class Join:
                 return False
             if len(self._forwarded) > 1:  # the order a shadow exchanges their gradients in
                 self._order = list(self._forwarded)
+                self._order_known = True
             self._forwarded = [model]
         self.iterations += 1
         self._announced = {id(m) for m in self.models} if syncing else set()
         bad = self._nonfinite()
+        self._notifying = model
         self.active, codes, nonfinite = self._allreduce(1, int(syncing), int(bool(bad)))
         if codes > self.active:  # another training rank's exchange was not announced
             raise RuntimeError(_UNANNOUNCED_ERROR.format(rank=self.comm.rank))
@@ -352,6 +420,7 @@ class Join:
         self.joined = True
         if len(self._forwarded) > 1:
             self._order = list(self._forwarded)
+            self._order_known = True
         for model in self.models:
             model.flush()
         while True:
@@ -367,6 +436,7 @@ class Join:
                                    f"{self.iterations} iteration(s) while {active} rank(s) "
                                    "still train (Join(throw_on_early_termination=True))")
             self._set_denominators(active)
+            self._learn_order()
             self._shadow(syncing > 0)
         self._finish()
 

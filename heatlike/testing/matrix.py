@@ -80,6 +80,7 @@ class Run:
     crashed: list[str] = field(default_factory=list)
     not_run: int = 0
     slowest: list[tuple[float, str]] = field(default_factory=list)  # (seconds, test id)
+    slowest_files: list[tuple[float, str]] = field(default_factory=list)  # (seconds, file)
     problem: str = ""  # why a launch ended without its tests (bad arguments, ...)
     # --real-nodes: the ranks run on the nodes of this VirtualCluster (heatlike.testing.cluster),
     # so many on each; the bytes each node sent on its link and the bytes the nodes sent each
@@ -238,6 +239,10 @@ def _execute(run: Run, mpiexec: str, log_root: Path, timeout: float) -> None:
         seconds: dict[str, float] = {}
         done = _finished(state, seconds)
         run.slowest = sorted(((s, t) for t, s in seconds.items()), reverse=True)[:5]
+        per_file: dict[str, float] = {}
+        for test, s in seconds.items():
+            per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + s
+        run.slowest_files = sorted(((s, f) for f, s in per_file.items()), reverse=True)[:5]
         for outcome in done.values():
             run.counts[outcome] = run.counts.get(outcome, 0) + 1
         run.failed = [t for t, o in done.items() if o == "failed"]
@@ -279,6 +284,9 @@ def _summary(runs: list[Run], stopped: Stopped | None) -> None:
             print(f"      {run.problem}")
         if run.slowest:
             print("      slowest: " + ", ".join(f"{t} {s:.0f} s" for s, t in run.slowest[:3]))
+        if run.slowest_files:
+            print("      slowest files: " + ", ".join(f"{f} {s:.0f} s"
+                                                      for s, f in run.slowest_files))
         if run.link_bytes:
             print("      sent on the links: " + ", ".join(
                 f"{host} {sent / 1e6:.1f} MB" for host, sent in run.link_bytes.items()))
