@@ -438,23 +438,7 @@ def test_two_models_with_held_buckets_and_their_own_optimizers_join(comm, monkey
                                   blocking=False) for m in (encoder, head)]
     enc = DataParallel(encoder, comm, opts[0], check_finite=check_finite)
     top = DataParallel(head, comm, opts[1], check_finite=check_finite)
-    with Join([enc, top]):
-        for step in range(_steps(comm.rank)):
-            x, y = _batch(comm.rank, step)
-            for opt in opts:
-                opt.zero_grad()
-            nn.functional.cross_entropy(top(enc(x)), y).backward()
-            for opt in opts:
-                opt.step()
-    for opt in opts:
-        opt.flush()
-    params = [*encoder.parameters(), *head.parameters()]
-    for p, q in zip(params, ref_params):
-        assert torch.allclose(p, q, **TOL), "parameters"
-    hl.nn.verify_replicas(encoder, comm)
-    hl.nn.verify_replicas(head, comm)
-    enc.close()
-    top.close()
+    _train_two_and_compare([enc, top], enc, top, opts, ref_params, comm)
 
 
 
@@ -483,6 +467,13 @@ def test_a_rank_without_batches_follows_two_models_listed_out_of_forward_order(
         enc = DataParallel(encoder, comm, opts[0])
         top = DataParallel(head, comm, opts[1])
         joinables = [top, enc]
+    _train_two_and_compare(joinables, enc, top, opts, ref_params, comm)
+
+
+def _train_two_and_compare(joinables, enc, top, opts, ref_params, comm) -> None:
+    """Train ``top(enc(x))`` under ``Join(joinables)`` for this rank's steps, stepping every
+    optimizer of ``opts``; compare the models with ``ref_params`` (:func:`_encoder_and_head`)
+    and close them."""
     with Join(joinables):
         for step in range(_steps(comm.rank)):
             x, y = _batch(comm.rank, step)
@@ -494,8 +485,10 @@ def test_a_rank_without_batches_follows_two_models_listed_out_of_forward_order(
     for opt in opts:
         if isinstance(opt, DataParallelOptimizer):
             opt.flush()
-    for p, q in zip([*encoder.parameters(), *head.parameters()], ref_params):
+    for p, q in zip([*enc.module.parameters(), *top.module.parameters()], ref_params):
         assert torch.allclose(p, q, **TOL), "parameters"
+    hl.nn.verify_replicas(enc.module, comm)
+    hl.nn.verify_replicas(top.module, comm)
     enc.close()
     top.close()
 
