@@ -5,6 +5,7 @@ still had a batch (the combined batch of the ranks still training); every rank c
 parameters and its optimizer state (momentum) with it.
 """
 
+import contextlib
 import copy
 import sys
 
@@ -438,8 +439,12 @@ def test_two_models_with_held_buckets_and_their_own_optimizers_join(comm, monkey
                                   blocking=False) for m in (encoder, head)]
     enc = DataParallel(encoder, comm, opts[0], check_finite=check_finite)
     top = DataParallel(head, comm, opts[1], check_finite=check_finite)
+    pending = []  # the head's deferred update, when the encoder's forward has run
+    encoder.register_forward_hook(lambda *_: pending.append(len(opts[1]._pending)))
     _train_two_and_compare([enc, top], enc, top, opts, ref_params, comm)
-
+    # check_finite reads the parameters of every model at the first forward past the deferred
+    # updates' guards (before, it applied the head's update there, early, serializing it)
+    assert comm.size == 1 or max(pending) > 0, pending
 
 
 def _no_batch_on_rank_0(rank: int) -> int:
@@ -496,24 +501,30 @@ def _train_two_and_compare(joinables, enc, top, opts, ref_params, comm) -> None:
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.mpi_timeout(60)
 @pytest.mark.parametrize("listed", ["in forward order", "otherwise"])
-def test_three_models_and_a_rank_without_batches(comm, monkeypatch, listed):
+@pytest.mark.parametrize("run", ["steps", "one step", "accumulating"])
+def test_three_models_and_a_rank_without_batches(comm, monkeypatch, listed, run):
     """Three models of equal shapes (so that mismatched exchanges would sum the wrong model's
-    gradients without an MPI error) and rank 0 without any batch: listed in forward order, the
-    single process's models; listed otherwise, the first iteration's exchanges were shadowed in
-    a wrong order, and the notification that first carries the order raises RuntimeError on
-    every rank (before: wrong models, silently)."""
-    monkeypatch.setattr(sys.modules[__name__], "_steps", _no_batch_on_rank_0)
+    gradients without an MPI error) and rank 0 without any batch. Listed in forward order: the
+    single process's models. Listed otherwise: rank 0 shadows the exchanges before it hears
+    the order in a wrong one, and the notification that first carries the order (the next
+    iteration's, or the last one's, where the others train one step and join knowing it)
+    raises RuntimeError on every rank (before: wrong models, silently). Where nothing was
+    exchanged before the order was heard (the first iteration's gradients accumulated under
+    ``no_sync()``), the single process's models again."""
+    steps = {"steps": 3, "one step": 1, "accumulating": 4}[run]
+    monkeypatch.setattr(sys.modules[__name__], "_steps", lambda r: 0 if r == 0 else steps)
+    sync_every = 2 if run == "accumulating" else 1
     torch.manual_seed(5)
     nets = [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3)]
     refs = copy.deepcopy(nets)
     ref_opt = torch.optim.SGD([p for r in refs for p in r.parameters()], lr=0.1)
-    for step in range(max(_steps(r) for r in range(comm.size))):
-        active = [r for r in range(comm.size) if step < _steps(r)]
-        x = torch.cat([_batch(r, step)[0] for r in active])
-        y = torch.cat([_batch(r, step)[1] for r in active])
-        ref_opt.zero_grad()
+    for step in range(steps):  # the combined batch of ranks 1.. at each micro-step
+        x = torch.cat([_batch(r, step)[0] for r in range(1, comm.size)])
+        y = torch.cat([_batch(r, step)[1] for r in range(1, comm.size)])
         nn.functional.cross_entropy(refs[2](refs[1](refs[0](x)))[:, :3], y).backward()
-        ref_opt.step()
+        if (step + 1) % sync_every == 0:
+            ref_opt.step()
+            ref_opt.zero_grad()
     models = [DataParallel(net, comm) for net in nets]
     opt = torch.optim.SGD([p for net in nets for p in net.parameters()], lr=0.1)
     joinables = [*models, opt] if listed == "in forward order" else [models[2], models[0],
@@ -523,12 +534,18 @@ def test_three_models_and_a_rank_without_batches(comm, monkeypatch, listed):
         with Join(joinables):
             for step in range(_steps(comm.rank)):
                 x, y = _batch(comm.rank, step)
-                opt.zero_grad()
-                out = models[2](models[1](models[0](x)))
-                nn.functional.cross_entropy(out[:, :3], y).backward()
-                opt.step()
+                synced = (step + 1) % sync_every == 0
+                with contextlib.ExitStack() as stack:
+                    if not synced:
+                        for model in models:
+                            stack.enter_context(model.no_sync())
+                    out = models[2](models[1](models[0](x)))
+                    nn.functional.cross_entropy(out[:, :3], y).backward()
+                if synced:
+                    opt.step()
+                    opt.zero_grad()
 
-    if listed == "otherwise":
+    if listed == "otherwise" and run != "accumulating":
         with pytest.raises(RuntimeError, match="in the order they run forward"):
             train()
     else:
@@ -538,6 +555,7 @@ def test_three_models_and_a_rank_without_batches(comm, monkeypatch, listed):
                 assert torch.allclose(p, q, **TOL), "parameters"
     for model in models:
         model.close()
+
 
 def test_clipping_between_backward_and_step_ends_in_equal_optimizer_states(comm):
     """What the loop does between backward and step (here clip_grad_norm_) the shadows cannot

@@ -303,7 +303,7 @@ exit $status
 # a step whose ranks end on the signal before saving (killed; the checkpoint on disk is older)
 DIES_ON_SIGNAL = """#!/bin/bash
 while [ $# -gt 0 ]; do
-    if [ "$1" = --checkpoint ]; then echo periodic > "$2"; fi
+    if [ "$1" = --checkpoint ]; then echo periodic > "$2.tmp" && mv "$2.tmp" "$2"; fi
     shift
 done
 trap 'exit 143' USR1

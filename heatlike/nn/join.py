@@ -130,9 +130,9 @@ _UNANNOUNCED_ERROR = (
 
 
 _ORDER_ERROR = (
-    "rank {rank}: under heatlike.nn.Join a rank without any batch stood in for the first "
-    "iteration taking the models in the order of the joinables, but they run forward in another "
-    "order (joinable indices {order}): the first iteration's gradient exchanges were mismatched. "
+    "rank {rank}: under heatlike.nn.Join a rank without any batch stood in for gradient "
+    "exchanges before it knew the models' forward order, taking the joinables' order, but they "
+    "run forward in another (model indices {order}): those exchanges were mismatched. "
     "List the DataParallel models in Join([...]) in the order they run forward")
 
 _NONFINITE_ERROR = (
@@ -220,7 +220,8 @@ class Join:
         self._announced: set[int] = set()  # models whose exchange this iteration announced
         self._order = list(self.models)  # the forward order of the last complete iteration
         self._order_known = False  # _order was seen (or heard), not assumed
-        self._heard: tuple[int, int] = (-1, -1)  # the last notification's (first, order) codes
+        # the last notification's: the notifying model's index, the forward order (_order_codes)
+        self._heard_first, self._heard_order = -1, []
         self._channel: MPI.Intracomm | None = None
 
     # -- the context ---------------------------------------------------------------------------
@@ -234,8 +235,10 @@ class Join:
         self._channel = _checks.private_duplicate(self.comm, "entering heatlike.nn.Join")
         self.iterations, self.joined, self.active = 0, False, self.comm.size
         self._forwarded, self._order = [], list(self.models)
-        self._order_known, self._heard, self._notifying = False, (-1, -1), None
+        self._order_known, self._notifying = False, None
+        self._heard_first, self._heard_order = -1, []
         self._first_active: int | None = None  # training ranks at the first notification
+        self._guessed = False  # an exchange was shadowed in a guessed order (_check_guess)
         self._order_checked = False
         for model in self.models:
             model._join = self
@@ -291,57 +294,64 @@ class Join:
         if highest[0] >= 0:
             for model in self.models:
                 model._buffer_root = int(highest[0])
-        self._heard = (int(highest[1]), int(highest[2]))
-        if self._first_active is None:
-            self._first_active = int(counts[0])
-        if self._heard[1] >= 0 and not self._order_checked:
-            self._order_checked = True
-            order = self._decode(self._heard[1])
-            if self._first_active < self.comm.size and order != self._guess(order[0]):
-                raise RuntimeError(_ORDER_ERROR.format(rank=self.comm.rank, order=[
-                    self.models.index(m) for m in order]))
+        self._heard_first = int(highest[1])
+        self._heard_order = [self.models[int(i)] for i in highest[2:] if i >= 0]
+        self._check_guess(int(counts[0]), int(counts[1]))
         return int(counts[0]), int(counts[1]), int(counts[2])
 
-    def _order_codes(self, active: int) -> tuple[int, int]:
-        """What a training rank tells the ranks out of inputs of the models' forward order, for
-        a rank that never ran forward (no batch at all) to shadow their exchanges in the order
-        the training ranks' backward passes run them: the index of the model whose forward
-        notifies (the first), and the order of the last complete iteration as base-n digits
-        (-1 where not known, or for more than 15 models). The same on every training rank, -1
-        on the others: a maximum over the ranks delivers them."""
-        if not active:
-            return -1, -1
-        first = next((i for i, m in enumerate(self.models) if m is self._notifying), -1)
-        n = len(self.models)
-        order = -1
-        if self._order_known and n <= 15:
+    def _order_codes(self, active: int) -> list[int]:
+        """What a rank tells the ranks that never ran the models forward (no batch at all) of
+        their forward order, for those to shadow the exchanges in the order the training ranks'
+        backward passes run them: the index of the model whose forward notifies (a training
+        rank's) and the last complete iteration's order, one index per place (every rank that
+        knows it), -1 where not known. The same on every rank that sends them: a maximum over
+        the ranks delivers them."""
+        first = -1
+        if active:
+            first = next((i for i, m in enumerate(self.models) if m is self._notifying), -1)
+        places = [-1] * len(self.models)
+        if self._order_known:
             index = {id(m): i for i, m in enumerate(self.models)}
-            order = sum(index[id(m)] * n ** k for k, m in enumerate(self._order))
-        return first, order
+            places[:len(self._order)] = [index[id(m)] for m in self._order]
+        return [first, *places]
 
-    def _decode(self, order: int) -> list[DataParallel]:
-        n = len(self.models)
-        return [self.models[(order // n ** k) % n] for k in range(n)]
+    def _check_guess(self, active: int, syncing: int) -> None:
+        """After each notification, on every rank alike: where a rank had no batch at all
+        (fewer training ranks at the first notification than ranks), note the iterations it
+        shadowed with an exchange before the order was known (on :meth:`_guess`); at the first
+        notification that carries the order, raise RuntimeError on every rank if the guess was
+        used and wrong (three or more models listed in another order than they run forward):
+        those exchanges met the wrong ones."""
+        if self._first_active is None:
+            self._first_active = active
+        if self._first_active == self.comm.size or self._order_checked:
+            return
+        if not self._heard_order:
+            if syncing > 0 and self._heard_first >= 0:
+                self._guessed = True
+            return
+        self._order_checked = True
+        order = self._heard_order
+        if self._guessed and order != self._guess(order[0]):
+            raise RuntimeError(_ORDER_ERROR.format(rank=self.comm.rank, order=[
+                self.models.index(m) for m in order]))
 
     def _guess(self, first: DataParallel) -> list[DataParallel]:
-        """The forward order a rank without a batch assumes in the first iteration: the model
+        """The forward order a rank without a batch assumes until it hears the order: the model
         that notified, then the others in the joinables' order (right for two models)."""
         return [first] + [m for m in self.models if m is not first]
 
     def _learn_order(self) -> None:
         """On a rank out of inputs that never saw the models' forward order: take it from the
-        notification (the last complete iteration's, else :meth:`_guess`). Where a rank had no
-        batch and the guess was wrong (three or more models, listed in another order than they
-        run forward), the notification that first carries the order raises RuntimeError on
-        every rank (in :meth:`_allreduce`): the first iteration's exchanges were mismatched."""
+        notification (the last complete iteration's, else :meth:`_guess`; see
+        :meth:`_check_guess`)."""
         if self._order_known:
             return
-        first, order = self._heard
-        if order >= 0:
-            self._order = self._decode(order)
+        if self._heard_order:
+            self._order = list(self._heard_order)
             self._order_known = True
-        elif first >= 0:
-            self._order = self._guess(self.models[first])
+        elif self._heard_first >= 0:
+            self._order = self._guess(self.models[self._heard_first])
 
     def notify(self, syncing: bool, model: DataParallel | None = None) -> bool:
         """A training rank starts an iteration (called by the joinables' hooks); True if this
@@ -381,9 +391,12 @@ class Join:
         """Names of the non-finite parameters of the training models built with
         ``check_finite=True`` (checked at each notification: a second model's forward in the
         same iteration notifies no more, and its parameters have not changed since)."""
-        return [name for model in self.models if model.check_finite and model.training
-                for name, p in model.module.named_parameters()
-                if not bool(torch.isfinite(p).all())]
+        # read past the guards of deferred updates, as a model's own check does before its
+        # forward applies them (a guard would apply another model's update here, early)
+        with torch._C.DisableTorchFunction():
+            return [name for model in self.models if model.check_finite and model.training
+                    for name, p in model.module.named_parameters()
+                    if not bool(torch.isfinite(p).all())]
 
     def _exchange_begins(self, model: DataParallel) -> None:
         """``model``'s gradient exchange begins on a training rank (its first gradient, or
