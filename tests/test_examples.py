@@ -67,6 +67,21 @@ def test_cnn_example_learns_and_sharding_the_state_changes_nothing_but_memory():
     assert max(state[1]) < 0.75 * max(state[0]), state
 
 
+@pytest.mark.system
+def test_uneven_example_trains_the_single_process_model():
+    """Shards of three sizes under Join: every epoch the ranks run different numbers of batches,
+    and the model is the single process's with the combined batches (its own check)."""
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "heatlike",
+                           str(ROOT / "examples" / "uneven.py"), "--epochs", "3", "--check"],
+                          capture_output=True, text=True, timeout=180, env=_clean_env())
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "batches per rank [15, 30, 45]" in out, out
+    difference = float(out.split("with the combined batches: ")[1].split()[0])
+    assert difference < 1e-4, out
+    assert float(out.split("test accuracy: ")[-1].split()[0]) >= 0.85, out
+
+
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 TRAINING = ("digits.py", "daso_digits.py", "resume.py", "cnn_digits.py")  # each takes --device
 
