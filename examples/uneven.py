@@ -2,7 +2,7 @@
 the ranks that run out of batches answering the others' gradient averages.
 
     mpiexec -n 4 python -m heatlike examples/uneven.py [--epochs 5] [--batch-size 16]
-        [--lr 0.05] [--skew 1.0] [--check]
+        [--lr 0.05] [--skew 1.0] [--check] [--device auto|cpu|cuda]
 
 Rank r holds a share of scikit-learn's digits proportional to 1 + skew * r (``--skew 0``: equal
 shards), so the ranks run different numbers of batches per epoch. Inside ``Join([model,
@@ -14,7 +14,9 @@ replicas stay equal. Without Join the ranks with more batches would wait forever
 ``--check`` replays the run in one process on rank 0 (at each step, the combined batch of the
 ranks still training) and prints the largest difference between its parameters and the
 distributed model's: the run is that single process's, to float rounding. Rank 0 prints every
-epoch's batches per rank and test accuracy, and finally ``test accuracy: 0.XXXX``.
+epoch's batches per rank and test accuracy, and finally ``test accuracy: 0.XXXX``. ``--device
+auto`` (the default) trains on each rank's GPU (its local rank's) when every rank has one, else on
+the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import nn
 import heatlike as hl
 from heatlike.nn import DataParallel, Join
 from heatlike.recipes import evaluate, load_digits_split, mlp
-from heatlike.utils import configure_threads
+from heatlike.utils import DEVICE_CHOICES, configure_threads, select_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check", action="store_true",
                    help="replay the run in one process on rank 0 and print the largest "
                         "parameter difference")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
+                   help="cuda: each rank's GPU (by local rank); auto: cuda when every rank "
+                        "has a GPU, else cpu (default auto)")
     args = p.parse_args(argv)
     if args.epochs < 0 or args.batch_size < 1 or args.skew < 0 or \
             not (math.isfinite(args.lr) and args.lr > 0):
@@ -91,15 +96,17 @@ def main(argv: list[str] | None = None) -> float:
     comm = hl.MPI_WORLD
     configure_threads()
     log = hl.get_logger("uneven")
+    device = select_device(args.device, comm)
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     bounds = shard_bounds(len(y_train), comm.size, args.skew)
     shards = [(x_train[a:b], y_train[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     x, y = shards[comm.rank]
-    net = mlp([64, 128, 64, 10], args.seed)
+    net = mlp([64, 128, 64, 10], args.seed).to(device)
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     model = DataParallel(net, comm)
-    log.info("%d ranks, shards of %s samples, batch %d per rank, %d epochs", comm.size,
-             [b - a for a, b in zip(bounds[:-1], bounds[1:])], args.batch_size, args.epochs)
+    log.info("%d ranks, shards of %s samples, batch %d per rank, %d epochs, on %s", comm.size,
+             [b - a for a, b in zip(bounds[:-1], bounds[1:])], args.batch_size, args.epochs,
+             device.type)
     accuracy = evaluate(model.eval(), x_test, y_test, comm)
     for epoch in range(args.epochs):
         model.train()
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> float:
         with Join([model, optimizer]):
             for xb, yb in mine:
                 optimizer.zero_grad()
-                nn.functional.cross_entropy(model(xb), yb).backward()
+                nn.functional.cross_entropy(model(xb.to(device)), yb.to(device)).backward()
                 optimizer.step()
         counts = comm.handle.allgather(len(mine))
         accuracy = evaluate(model.eval(), x_test, y_test, comm)
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> float:
     hl.nn.verify_replicas(net, comm)
     if args.check and comm.rank == 0:
         reference = replay(shards, args)
-        difference = max(float((p - q).detach().abs().max())
+        difference = max(float((p.cpu() - q).detach().abs().max())
                          for p, q in zip(net.parameters(), reference.parameters()))
         print(f"largest difference from one process with the combined batches: "
               f"{difference:.2e}", flush=True)

@@ -83,7 +83,8 @@ def test_uneven_example_trains_the_single_process_model():
 
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
-TRAINING = ("digits.py", "daso_digits.py", "resume.py", "cnn_digits.py")  # each takes --device
+TRAINING = ("digits.py", "daso_digits.py", "resume.py", "cnn_digits.py",
+            "uneven.py")  # each takes --device
 
 
 @pytest.mark.system

@@ -886,10 +886,9 @@ class GradientSync:
     def launch_all(self) -> None:
         """Fill in every parameter that has not reported and launch every bucket (collective:
         all ranks must call it, which the end-of-backward callback and ``step`` ensure)."""
-        self._check_open()
+        self.launch_filled()
         if self.passthrough:
             return
-        self.launch_filled()
         if self._timing is not None and self._timing.end is None:
             self._timing.end = time.perf_counter()
         self._start_held()

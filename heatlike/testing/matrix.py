@@ -241,7 +241,8 @@ def _execute(run: Run, mpiexec: str, log_root: Path, timeout: float) -> None:
         run.slowest = sorted(((s, t) for t, s in seconds.items()), reverse=True)[:5]
         per_file: dict[str, float] = {}
         for test, s in seconds.items():
-            per_file[test.split("::")[0]] = per_file.get(test.split("::")[0], 0.0) + s
+            path = test.split("::")[0]
+            per_file[path] = per_file.get(path, 0.0) + s
         run.slowest_files = sorted(((s, f) for f, s in per_file.items()), reverse=True)[:5]
         for outcome in done.values():
             run.counts[outcome] = run.counts.get(outcome, 0) + 1
