@@ -6,6 +6,8 @@ generating code, so the tests need no C compiler."""
 
 import contextlib
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from torch import nn
 from heatlike.nn import DataParallel
 from heatlike.optim import DataParallelOptimizer
 from heatlike.recipes import make_runner
+from heatlike.testing.matrix import _clean_env
 
 pytestmark = pytest.mark.mpi
 
@@ -197,3 +200,33 @@ def test_a_compiled_step_that_synchronizes_before_clipping_trains_as_eager(comm)
     eager = train(False)
     torch._dynamo.reset()
     torch.testing.assert_close(train(True), eager, rtol=1e-6, atol=1e-7)
+
+
+def test_heatlike_does_not_import_torch_dynamo_until_something_compiles(comm):
+    """heatlike's eager wrappers set dynamo's frame switches without importing ``torch._dynamo``
+    (about a second and 90 MB per process): a DNDarray job and the communicator never load it,
+    and where this torch lacks the switches the wrappers are ``torch.compiler.disable``'s."""
+    code = ("import sys; import heatlike as ht; x = ht.arange(12, split=0); "
+            "assert float((x * 2).sum()) == 132.0; ht.MPI_WORLD.Barrier(); "
+            "loaded = sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'sympy'))); "
+            "print(len(loaded), loaded[:3])")
+    if comm.size > 1:
+        pytest.skip("a one-process check: run at one rank")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, env=_clean_env())
+    assert out.stdout.strip() == "0 []", out.stdout + out.stderr
+
+    import heatlike.engine.hooks as hooks
+
+    def fn(t):
+        return t + 1
+
+    wrapped = hooks.eager(fn)
+    assert wrapped._torchdynamo_disable and wrapped(1) == 2
+    saved = hooks.set_eval_frame
+    try:
+        hooks.set_eval_frame = None
+        fallback = hooks.eager(fn)
+    finally:
+        hooks.set_eval_frame = saved
+    assert fallback is not wrapped and fallback._torchdynamo_disable and fallback(1) == 2

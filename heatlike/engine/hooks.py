@@ -17,11 +17,52 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["on_gradient", "last_active_hook", "remove_when_dropped", "run_eagerly",
+__all__ = ["eager", "on_gradient", "last_active_hook", "remove_when_dropped", "run_eagerly",
            "at_backward_end", "EagerSteps"]
 
+try:  # the frame-evaluation switches torch.compiler.disable sets, in torch's C extension
+    from torch._C._dynamo.eval_frame import (
+        _FrameAction,
+        _FrameExecStrategy,
+        set_code_exec_strategy,
+        set_eval_frame,
+    )
+    _SKIP = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+except (ImportError, AttributeError, TypeError):  # another torch: torch.compiler.disable
+    set_eval_frame = None
 
-@torch.compiler.disable(recursive=True)
+
+def eager(fn: Callable) -> Callable:
+    """``fn`` as ``torch.compiler.disable(fn, recursive=True)`` makes it: plain Python under
+    ``torch.compile``, a graph break where compiled code calls it, and run with dynamo's frame
+    evaluation off where dynamo's callback is still on (a hook called by a backward pass started
+    in compiled code). ``torch.compiler.disable`` imports ``torch._dynamo`` (about a second and
+    90 MB per process, sympy included) even in a program that never compiles; this sets the same
+    C-level switches without it: the wrapper's frame is never converted (its code's execution
+    strategy is SKIP), it turns frame evaluation off around ``fn`` and on again after, and it
+    carries the attributes by which dynamo's tracer recognizes a disabled function. Where this
+    torch lacks those switches, it is ``torch.compiler.disable``."""
+    if set_eval_frame is None:
+        return torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def eagerly(*args, **kwargs):
+        prior = set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    set_code_exec_strategy(eagerly.__code__, _SKIP)
+    eagerly._torchdynamo_disable = True
+    eagerly._torchdynamo_disable_msg = None
+    eagerly._torchdynamo_disable_recursive = True
+    eagerly._torchdynamo_orig_callable = fn
+    eagerly._torchdynamo_wrapper_id = id(eagerly)
+    return eagerly
+
+
+@eager
 def run_eagerly(fn: Callable, *args, **kwargs):
     """``fn(*args, **kwargs)`` as plain Python, never traced by ``torch.compile`` (in compiled
     code: a graph break). heatlike's work around the user's computation (hooks, callbacks,
@@ -53,9 +94,9 @@ class EagerSteps:
         for name in ("step", "zero_grad", *cls.eager_methods):
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "_heatlike_eager", False):
-                eager = torch.compiler.disable(fn, recursive=True)
-                eager._heatlike_eager = True
-                setattr(cls, name, eager)
+                wrapped = eager(fn)
+                wrapped._heatlike_eager = True
+                setattr(cls, name, wrapped)
 
 
 def on_gradient(param: torch.Tensor, method: Callable[[torch.Tensor], None],
@@ -68,7 +109,7 @@ def on_gradient(param: torch.Tensor, method: Callable[[torch.Tensor], None],
     registered before it may take the gradient as final (:func:`last_active_hook`)."""
     ref = weakref.WeakMethod(method)
 
-    @torch.compiler.disable(recursive=True)
+    @eager
     def hook(p: torch.Tensor) -> None:
         bound = ref()
         if bound is not None:

@@ -12,11 +12,12 @@ from the copy's forward pass.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 
-from ..engine.hooks import run_eagerly
+from ..engine.hooks import eager, run_eagerly
 
 __all__ = ["WrapperHook", "InertHook", "run_eagerly", "compiled_parts"]
 
@@ -26,6 +27,8 @@ def compiled_parts(module: torch.nn.Module) -> bool:
     is compiled (``torch.compile(m)``, ``m.compile()``) or has a compiled ``forward``. Module hooks
     inside compiled code may be left out of the graph, or skipped altogether when a graph
     compiled before they were registered is reused."""
+    if "torch._dynamo" not in sys.modules:  # torch.compile imports it: nothing is compiled
+        return False
     from torch._dynamo.eval_frame import OptimizedModule
 
     for m in module.modules():
@@ -65,7 +68,7 @@ class WrapperHook:
     def __init__(self, fn: Callable, optional: bool = False) -> None:
         self.fn = fn
 
-    @torch.compiler.disable(recursive=True)
+    @eager
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
