@@ -829,6 +829,12 @@ def test_a_state_dict_saved_from_ddp_loads_into_the_wrapper(comm):
                                            r'Missing key\(s\).*"module.0.bias"'):
         model.load_state_dict(broken)
     model.load_state_dict(model.state_dict())  # its own, engine state included
+    # the other way (docs/data_parallel.md, migration table): the engine's state is one key
+    # beside the module's; a plain module takes model.module.state_dict()
+    assert set(model.state_dict()) == {f"module.{k}" for k in net.state_dict()} | {"_extra_state"}
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    plain.load_state_dict(model.module.state_dict())
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in plain.state_dict().items())
 
 
 def test_the_modules_state_dict_includes_the_last_nonblocking_update(comm):

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import gc
+import warnings
 
 import pytest
 import torch
@@ -251,6 +252,33 @@ def test_every_lr_scheduler_changes_the_rate_the_update_uses(comm, blocking):
         model.flush()
         assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
         _assert_close(net, ref, type(sched).__name__)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("blocking", MODES)
+def test_a_scheduler_built_on_the_torch_optimizer_before_wrapping(comm, blocking):
+    """StepLR on the torch optimizer, then the wrapper: the rates reach the updates, and torch
+    does not warn that ``lr_scheduler.step()`` came before ``optimizer.step()`` (non-blocking,
+    the torch step runs at the next forward; it used to)."""
+    net = _net()
+    inner = torch.optim.SGD(net.parameters(), lr=LR)
+    sched = torch.optim.lr_scheduler.StepLR(inner, 1, 0.5)
+    opt = DataParallelOptimizer(inner, blocking=blocking)
+    model = DataParallel(net, comm, optimizer=opt)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            _step_both(comm, step, model, opt, ref, ref_opt)
+            sched.step()
+            ref_sched.step()
+        model.flush()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert inner.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    _assert_close(net, ref, "StepLR on the torch optimizer")
 
 
 def test_the_wrapper_raises_without_a_model():

@@ -203,6 +203,9 @@ class DataParallelOptimizer(WrappedOptimizer):
         self._pending = pending
         self._hyperparams = [{k: _value_now(v) for k, v in g.items() if k != "params"}
                              for g in self.optimizer.param_groups]
+        # the step is taken, with these hyperparameters: an LR scheduler built on the torch
+        # optimizer may step now (torch's flag, else it warns that its first value is skipped)
+        self.optimizer._opt_called = True
         self._arm_guard()
         return None
 
