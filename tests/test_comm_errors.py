@@ -342,3 +342,38 @@ def test_a_rank_whose_dtype_differs_from_the_roots_raises_everywhere(comm):
     if recv is not None:
         assert (recv == -1).all()
     _still_in_step(comm)
+
+
+@pytest.mark.parametrize("name", ["Gather", "Gatherv", "Igatherv", "Scatter", "Scatterv",
+                                  "Iscatterv", "Reduce"])
+def test_ranks_naming_different_roots_raise_everywhere(comm, name):
+    """The last rank names root 1, the others root 0: every rank raises a ValueError naming
+    each rank's root, and nothing is received. At three ranks the counts balanced (rank 1 does
+    not act as the root the last rank names): Gather and Scatter returned on two ranks while
+    the root waited forever, Reduce gave zeros."""
+    if comm.size == 1:
+        pytest.skip("ranks can only name different roots with a second rank")
+    last, size = comm.size - 1, comm.size
+    root = 1 if comm.rank == last else 0
+    mine = torch.full((2,), -1.0) if "catter" in name else torch.full((2,), float(comm.rank))
+    whole = torch.full((2 * size,), -1.0) if comm.rank == root else None
+    calls = {
+        "Gather": lambda: comm.Gather(mine, whole, root=root),
+        "Gatherv": lambda: comm.Gatherv(mine, (whole, [2] * size), root=root),
+        "Igatherv": lambda: comm.Igatherv(mine, (whole, [2] * size), root=root).Wait(),
+        "Scatter": lambda: comm.Scatter(torch.arange(2.0 * size), mine, root=root),
+        "Scatterv": lambda: comm.Scatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                          root=root),
+        "Iscatterv": lambda: comm.Iscatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                            root=root).Wait(),
+        "Reduce": lambda: comm.Reduce(mine, torch.full((2,), -1.0) if comm.rank == root
+                                      else None, MPI.SUM, root=root),
+    }
+    with pytest.raises(ValueError, match="name different roots") as info:
+        calls[name]()
+    assert f"rank {last}: 1" in str(info.value) and "rank 0: 0" in str(info.value)
+    if "catter" in name:
+        assert (mine == -1).all()
+    if whole is not None:
+        assert (whole == -1).all()
+    _still_in_step(comm)

@@ -255,6 +255,16 @@ def test_construction_errors():
         raises_everywhere(ValueError, lambda: hl.array(bad_ndim, is_split=0), "dimensions")
         bad_rest = np.zeros((2, 3 + COMM.rank))
         raises_everywhere(ValueError, lambda: hl.array(bad_rest, is_split=0), "differ outside")
+        # split=: the whole array on every rank; before, a rank with another shape or dtype got
+        # other counts, and numpy() read memory no rank wrote
+        last = COMM.size - 1
+        longer = np.arange(10 + (COMM.rank == last), dtype=np.float32)
+        raises_everywhere(ValueError, lambda: hl.array(longer, split=0),
+                          f"rank {last}: (11,) float32")
+        wider = np.zeros(4, dtype=np.float64 if COMM.rank == 0 else np.float32)
+        raises_everywhere(ValueError, lambda: hl.array(wider, split=0), "rank 0: (4,) float64")
+        odd = object() if COMM.rank == last else [1.0, 2.0]
+        raises_everywhere(TypeError, lambda: hl.array(odd, split=0), f"on rank {last}")
     raises_everywhere(ValueError, lambda: hl.array(np.zeros((2, 3)), is_split=2), "out of range")
     raises_everywhere(TypeError, lambda: hl.array(np.array(["a"])), "numpy dtype")
     raises_everywhere(ValueError, lambda: hl.zeros(3, device="tpu"), "device")

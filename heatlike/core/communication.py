@@ -991,7 +991,7 @@ class MPICommunication:
         return root, is_root, mine, mine_back, full, full_back, counts, displs
 
     def _agreed(self, name: str, check: Callable[[], tuple],
-                layout: Callable[[tuple], tuple]) -> tuple:
+                layout: Callable[[tuple], tuple], root: object) -> tuple:
         """``check()``, the argument checks of a rooted collective, with their verdict shared
         before anything is sent. Some of those checks only one rank can make (the root's counts,
         displacements and buffers; a rank's own receive buffer), and whether a rank's buffer
@@ -1001,23 +1001,27 @@ class MPICommunication:
 
         ``layout(result)`` gives ``(own, dtype, expected)``: the element count this rank sends
         or receives, its dtype, and at the root the count it expects of every rank (None
-        elsewhere). With P ranks the ranks sum one vector of 4P integers (a collective of its
+        elsewhere). With P ranks the ranks sum one vector of 5P integers (a collective of its
         own, waited for at the call even in the non-blocking forms, so every rank issues its
         collectives in the program's order): slot r holds rank r's verdict, P + r its count,
-        2P + r its count less the root's expectation and 3P + r its dtype's code less the
-        root's. A rank whose checks failed raises its error, every other rank a ValueError
-        (TypeError, or RuntimeError for any other exception, where that was the first failing
-        rank's error) naming the ranks that failed; buffers that differ from the root's
-        expectation raise ValueError on every rank, naming each such rank and its count."""
+        2P + r its count less the root's expectation, 3P + r its dtype's code less the root's
+        and 4P + r one more than the ``root`` it names. A rank whose checks failed raises its
+        error, every other rank a ValueError (TypeError, or RuntimeError for any other
+        exception, where that was the first failing rank's error) naming the ranks that failed;
+        ranks that name different roots (the ranks one names as root would otherwise not send
+        or wait as the root, and the sums could still balance) raise ValueError on every rank,
+        naming each rank's root; buffers that differ from the root's expectation raise
+        ValueError on every rank, naming each such rank and its count."""
         error = None
         try:
             result = check()
             own, dtype, expected = layout(result)
+            named = self._check_root(root)
         except Exception as exc:  # whatever it is, every rank must hear of it
             error = exc
         if self.size > 1:
             size, rank = self.size, self.rank
-            mine = np.zeros(4 * size, dtype=np.int64)
+            mine = np.zeros(5 * size, dtype=np.int64)
             mine[rank] = 0 if error is None else 1 if isinstance(error, ValueError) else \
                 2 if isinstance(error, TypeError) else 3
             if error is None:
@@ -1025,9 +1029,10 @@ class MPICommunication:
                 mine[size + rank] = own
                 mine[2 * size + rank] += own
                 mine[3 * size + rank] += code
+                mine[4 * size + rank] = named + 1
                 if expected is not None:
                     mine[2 * size:3 * size] -= np.asarray(expected, dtype=np.int64)
-                    mine[3 * size:] -= code
+                    mine[3 * size:4 * size] -= code
             total = np.empty_like(mine)
             _checks.wait(self.handle.Iallreduce([mine, MPI.INT64_T], [total, MPI.INT64_T],
                                                 MPI.SUM),
@@ -1040,6 +1045,11 @@ class MPICommunication:
                            "rejected there (the reason is raised on those ranks); nothing was "
                            "sent")
             if error is None:
+                roots = total[4 * size:] - 1
+                if (roots != named).any():
+                    said = ", ".join(f"rank {r}: {int(v)}" for r, v in enumerate(roots[:8]))
+                    raise ValueError(f"{name} on {self._name}: the ranks name different roots "
+                                     f"({said}{' ...' if size > 8 else ''}); nothing was sent")
                 counts, gaps, kinds = (total[k * size:(k + 1) * size] for k in (1, 2, 3))
                 wrong = np.flatnonzero(gaps).tolist()
                 if wrong:
@@ -1283,7 +1293,7 @@ class MPICommunication:
         def layout(c: tuple) -> tuple:  # every rank sends as many elements as the root receives
             return _rooted_layout(c[1], c[2], c[3], _blocks(c[3], 1) * self.size if c[1] else None)
 
-        root, is_root, send, recv, back = self._agreed("Reduce", check, layout) if _agree \
+        root, is_root, send, recv, back = self._agreed("Reduce", check, layout, root) if _agree \
             else check()
         op = mpi_op((recv if send is None else send).dtype, op)
         if _one_rank_local(self, send, recv, back):
@@ -1639,7 +1649,8 @@ class MPICommunication:
             return root_, is_root_, send_, recv_, back_
 
         root, is_root, send, recv, back = self._agreed(
-            "Gather", check, lambda c: _rooted_layout(c[1], c[2], c[3], _blocks(c[3], size)))
+            "Gather", check, lambda c: _rooted_layout(c[1], c[2], c[3], _blocks(c[3], size)),
+            root)
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1663,7 +1674,7 @@ class MPICommunication:
             return root_, is_root_, send_, recv_, back_, counts_, displs_
 
         root, is_root, send, recv, back, counts, displs = self._agreed(
-            "Gatherv", check, lambda c: _rooted_layout(c[1], c[2], c[3], c[5], c[0]))
+            "Gatherv", check, lambda c: _rooted_layout(c[1], c[2], c[3], c[5], c[0]), root)
         src = None if send is None else readable(send)
         dst = fin = None
         if is_root:
@@ -1704,7 +1715,8 @@ class MPICommunication:
             return is_root_, send_, recv_, back_, root_
 
         is_root, send, recv, back, root = self._agreed(
-            "Scatter", check, lambda c: _rooted_layout(c[0], c[2], c[1], _blocks(c[1], size)))
+            "Scatter", check, lambda c: _rooted_layout(c[0], c[2], c[1], _blocks(c[1], size)),
+            root)
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:
@@ -1727,7 +1739,7 @@ class MPICommunication:
             return root_, is_root_, send_, recv_, back_, counts_, displs_
 
         root, is_root, send, recv, back, counts, displs = self._agreed(
-            "Scatterv", check, lambda c: _rooted_layout(c[1], c[3], c[2], c[5], c[0]))
+            "Scatterv", check, lambda c: _rooted_layout(c[1], c[3], c[2], c[5], c[0]), root)
         src = readable(send) if is_root else None
         dst = fin = None
         if recv is not None:

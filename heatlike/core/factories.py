@@ -120,7 +120,9 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
           device: object = None, comm: MPICommunication | None = None) -> DNDarray:
     """A DNDarray from a numpy array, torch tensor, (nested) list, scalar or DNDarray.
 
-    ``split=k``: ``obj`` is the whole array (the same on every rank); each rank keeps its part.
+    ``split=k``: ``obj`` is the whole array (the same on every rank); each rank keeps its part
+    (one ``allgather`` of the whole array's shape and dtype: ranks that pass different ones
+    raise ValueError on every rank, as does an ``obj`` one rank cannot take).
     ``is_split=k``: ``obj`` is this rank's piece of an array concatenated along k in rank order;
     pieces must agree in every other dimension (their dtypes are promoted to a common one; one
     ``allgather`` of the pieces' shapes and dtypes).
@@ -166,8 +168,23 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
             shares = False
         return t, shares
 
-    if is_split is None:
+    if is_split is None and (split is None or comm.size == 1):
         t, shares = local()
+    elif is_split is None:  # the whole array on every rank: the same shape and dtype
+        error = None
+        try:
+            t, shares = local()
+        except (TypeError, ValueError, RuntimeError) as bad:
+            error = bad
+        meta = gather_or_raise(None if error else (tuple(t.shape), str(t.dtype)), error, comm,
+                               "array(split=...): the whole array's shape",
+                               kinds=(BufferError,))
+        if len(set(meta)) != 1:
+            shown = ", ".join(f"rank {r}: {sh} {dt.removeprefix('torch.')}"
+                              for r, (sh, dt) in enumerate(meta[:8]))
+            raise ValueError(f"array(split={split}): every rank must pass the same whole array "
+                             f"(is_split= takes one piece per rank); the ranks pass shapes and "
+                             f"dtypes {shown}{' ...' if len(meta) > 8 else ''}")
     else:  # each rank's own piece: one that cannot be taken fails on every rank, named
         error = None
         try:
