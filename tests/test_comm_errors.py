@@ -293,6 +293,25 @@ def test_any_error_in_a_rooted_collectives_checks_reaches_every_rank(comm, monke
     _still_in_step(comm)
 
 
+def _rooted_call(comm, name: str, mine, whole, root: int) -> None:
+    """Rooted collective ``name`` of blocks of two elements: ``mine`` sent (gathers, Reduce) or
+    received (scatters), ``whole`` the root's buffer of every rank's block (gathers)."""
+    size = comm.size
+    calls = {
+        "Gather": lambda: comm.Gather(mine, whole, root=root),
+        "Gatherv": lambda: comm.Gatherv(mine, (whole, [2] * size), root=root),
+        "Igatherv": lambda: comm.Igatherv(mine, (whole, [2] * size), root=root).Wait(),
+        "Scatter": lambda: comm.Scatter(torch.arange(2.0 * size), mine, root=root),
+        "Scatterv": lambda: comm.Scatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                          root=root),
+        "Iscatterv": lambda: comm.Iscatterv((torch.arange(2.0 * size), [2] * size), mine,
+                                            root=root).Wait(),
+        "Reduce": lambda: comm.Reduce(mine, torch.full((2,), -1.0) if comm.rank == root
+                                      else None, MPI.SUM, root=root),
+    }
+    calls[name]()
+
+
 @pytest.mark.parametrize("name", ["Gather", "Gatherv", "Scatter", "Scatterv", "Reduce",
                                   "Igatherv", "Iscatterv"])
 @pytest.mark.parametrize("delta", [1, -1])
@@ -307,20 +326,8 @@ def test_a_rank_whose_buffer_differs_from_the_roots_counts_raises_everywhere(com
     n = 2 + delta if comm.rank == last else 2
     mine = torch.full((n,), -1.0) if "catter" in name else torch.full((n,), float(comm.rank))
     whole = torch.full((2 * size,), -1.0) if comm.rank == root else None
-    calls = {
-        "Gather": lambda: comm.Gather(mine, whole, root=root),
-        "Gatherv": lambda: comm.Gatherv(mine, (whole, [2] * size), root=root),
-        "Igatherv": lambda: comm.Igatherv(mine, (whole, [2] * size), root=root).Wait(),
-        "Scatter": lambda: comm.Scatter(torch.arange(2.0 * size), mine, root=root),
-        "Scatterv": lambda: comm.Scatterv((torch.arange(2.0 * size), [2] * size), mine,
-                                          root=root),
-        "Iscatterv": lambda: comm.Iscatterv((torch.arange(2.0 * size), [2] * size), mine,
-                                            root=root).Wait(),
-        "Reduce": lambda: comm.Reduce(mine, torch.full((2,), -1.0) if comm.rank == root
-                                      else None, MPI.SUM, root=root),
-    }
     with pytest.raises(ValueError) as info:
-        calls[name]()
+        _rooted_call(comm, name, mine, whole, root)
     text = str(info.value)
     assert f"rank {last}: {2 + delta} (root expects 2)" in text and "nothing was sent" in text, \
         text
@@ -357,20 +364,8 @@ def test_ranks_naming_different_roots_raise_everywhere(comm, name):
     root = 1 if comm.rank == last else 0
     mine = torch.full((2,), -1.0) if "catter" in name else torch.full((2,), float(comm.rank))
     whole = torch.full((2 * size,), -1.0) if comm.rank == root else None
-    calls = {
-        "Gather": lambda: comm.Gather(mine, whole, root=root),
-        "Gatherv": lambda: comm.Gatherv(mine, (whole, [2] * size), root=root),
-        "Igatherv": lambda: comm.Igatherv(mine, (whole, [2] * size), root=root).Wait(),
-        "Scatter": lambda: comm.Scatter(torch.arange(2.0 * size), mine, root=root),
-        "Scatterv": lambda: comm.Scatterv((torch.arange(2.0 * size), [2] * size), mine,
-                                          root=root),
-        "Iscatterv": lambda: comm.Iscatterv((torch.arange(2.0 * size), [2] * size), mine,
-                                            root=root).Wait(),
-        "Reduce": lambda: comm.Reduce(mine, torch.full((2,), -1.0) if comm.rank == root
-                                      else None, MPI.SUM, root=root),
-    }
     with pytest.raises(ValueError, match="name different roots") as info:
-        calls[name]()
+        _rooted_call(comm, name, mine, whole, root)
     assert f"rank {last}: 1" in str(info.value) and "rank 0: 0" in str(info.value)
     if "catter" in name:
         assert (mine == -1).all()

@@ -168,17 +168,21 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
             shares = False
         return t, shares
 
-    if is_split is None and (split is None or comm.size == 1):
-        t, shares = local()
-    elif is_split is None:  # the whole array on every rank: the same shape and dtype
-        error = None
+    def everywhere(what: str) -> tuple[torch.Tensor, bool, list]:
+        """local(), and every rank's (shape, dtype); one that fails raises on every rank."""
+        error = t = shares = None
         try:
             t, shares = local()
         except (TypeError, ValueError, RuntimeError) as bad:
             error = bad
         meta = gather_or_raise(None if error else (tuple(t.shape), str(t.dtype)), error, comm,
-                               "array(split=...): the whole array's shape",
-                               kinds=(BufferError,))
+                               what, kinds=(BufferError,))
+        return t, shares, meta
+
+    if is_split is None and (split is None or comm.size == 1):
+        t, shares = local()
+    elif is_split is None:  # the whole array on every rank: the same shape and dtype
+        t, shares, meta = everywhere("array(split=...): the whole array's shape")
         if len(set(meta)) != 1:
             shown = ", ".join(f"rank {r}: {sh} {dt.removeprefix('torch.')}"
                               for r, (sh, dt) in enumerate(meta[:8]))
@@ -186,13 +190,7 @@ def array(obj: object, dtype: object = None, copy: bool | None = True, ndmin: in
                              f"(is_split= takes one piece per rank); the ranks pass shapes and "
                              f"dtypes {shown}{' ...' if len(meta) > 8 else ''}")
     else:  # each rank's own piece: one that cannot be taken fails on every rank, named
-        error = None
-        try:
-            t, shares = local()
-        except (TypeError, ValueError, RuntimeError) as bad:
-            error = bad
-        meta = gather_or_raise(None if error else (tuple(t.shape), str(t.dtype)), error, comm,
-                               "array(is_split=...): the pieces' shapes", kinds=(BufferError,))
+        t, shares, meta = everywhere("array(is_split=...): the pieces' shapes")
         ndims = {len(s) for s, _ in meta}
         if len(ndims) != 1:
             raise ValueError(f"is_split: the local pieces have different numbers of dimensions: "
