@@ -652,8 +652,7 @@ class Board:
         if not self.closed:
             request = self.channel.Ibarrier()
             wait(request, lambda: f"{what} (the release of its board)", self,
-                 watch=lambda: self.verify(lambda: what, any_ended=True, steps=False,
-                                           current=False))
+                 watch=lambda: self._verify_release(what))
             self.close()
         if self in _BOARDS:
             _BOARDS.remove(self)
@@ -662,6 +661,20 @@ class Board:
         if not MPI.Is_finalized():
             self.exit_channel.Free()
             self.channel.Free()
+
+    def _verify_release(self, what: str) -> None:
+        """While this rank frees the communicator: raise RuntimeError if a rank has ended, or
+        has entered a collective on it that this rank never entered (it would wait forever: a
+        rank that left a loop early and freed what the others still use)."""
+        self.verify(lambda: what, any_ended=True, steps=False, current=False)
+        waiting = self.waiting_for_me()
+        if waiting:
+            who = "; ".join(f"rank {r} has entered collective #{k}" + (f" ({op})" if op else "")
+                            for r, k, op in waiting)
+            raise RuntimeError(f"{what}: {who} there, waiting for rank {self.rank}, which "
+                               f"frees the communicator after "
+                               f"{position(self.known()[self.rank])} collective(s) and will "
+                               "never enter it")
 
     def close(self) -> None:
         """Free the window (collective over the channel: at the end, once every rank ended)."""
