@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from _dndarray_helpers import (
+    COMM,
     assert_matches,
     global_array,
     layout,
@@ -122,6 +123,27 @@ def test_unary_functions():
         assert_matches(hl.clip(x, hl.array(g[0] / 2), 1), np.clip(g, g[0] / 2, 1))
         assert_matches(hl.isnan(x.sqrt()), g < 0)
     assert_matches(hl.sqrt(np.array([4.0, 9.0])), np.array([2.0, 3.0]))
+
+
+def test_round_and_sign_of_integers_nans_and_complex_numbers_as_numpy():
+    """``round`` with negative decimals rounds integers (it returned them unchanged) and rounds
+    complex numbers part by part (they came back unrounded); ``sign`` keeps NaN (torch gives 0)
+    and is z / |z| for complex z (torch raised)."""
+    ints = np.array([14, 15, 25, -15, 7, -25, 5, 0, -5, 45, 55, 1234567])
+    cases = [(ints, -1), (ints, -2), (ints, 1), (ints.astype(np.int8) % 100, -1),
+             (np.array([250, 149, 150, 151, 50], dtype=np.uint8), -2), (ints, -20),
+             (np.array([1.25 + 2.35j, -0.5 + 2.5j, 3.75 - 1.05j]), 1)]
+    for g, decimals in cases:
+        for wx, _ in layouts(g):
+            expect = np.round(g, decimals)
+            assert_matches(hl.round(layout(g, wx), decimals), expect,
+                           f"round {g.dtype} {decimals} {wx}", dtype=expect.dtype)
+    floats = np.array([np.nan, -2.0, 0.0, 3.0, -np.inf, np.inf])
+    complexes = np.array([1 + 1j, -2j, 0j, 3 + 0j, -4 - 3j])
+    for g in (floats, complexes, ints):
+        for wx, _ in layouts(g):
+            assert_matches(hl.sign(layout(g, wx)), np.sign(g), f"sign {g.dtype} {wx}",
+                           rtol=1e-12, dtype=g.dtype)
 
 
 def test_where_and_closeness():
@@ -375,6 +397,22 @@ def _check_wide_sums(dtype, eps):
             assert err.max() <= 16 * eps, f"{what}: error {err.max() / eps:.1f} eps"
             assert_matches(x.mean(axis=axis), g.mean(axis=axis), what, rtol=32 * eps,
                            atol=32 * eps)
+
+
+def test_min_and_max_of_signed_zeros_and_nans_are_the_same_bits_on_every_rank():
+    """MPI's MIN of -0.0 and +0.0 depends on the order it combines the ranks in, which differs
+    between ranks: the replicated result had different sign bits on different ranks (seen at
+    four ranks). Now -0.0 wins a minimum (+0.0 a maximum) wherever a rank's own is that zero."""
+    g = np.array([[-0.0, 0.0, 1.0], [0.0, -0.0, 2.0], [0.0, 0.0, -1.0], [np.nan, 0.0, 3.0],
+                  [-0.0, -0.0, 0.0]], dtype=np.float32)
+    for wx, _ in layouts(g):
+        x = layout(g, wx)
+        for fn, ref in ((hl.min, np.min), (hl.max, np.max)):
+            for axis in (0, 1):
+                got = fn(x, axis=axis).numpy()
+                np.testing.assert_array_equal(got, ref(g, axis=axis), f"{fn.__name__} {wx}")
+                bits = COMM.allgather(np.signbit(got).tolist())
+                assert all(b == bits[0] for b in bits), (fn.__name__, wx, axis, bits)
 
 
 def test_argmin_argmax():

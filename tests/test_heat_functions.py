@@ -118,6 +118,26 @@ def test_percentile_and_median(method):
     raises_everywhere(ValueError, lambda: ht.percentile(x, 5, out=ht.empty(2)), "shape")
 
 
+def test_the_median_of_an_empty_axis_is_nan_and_a_percentile_raises():
+    """numpy's median over an empty axis: NaN with a RuntimeWarning, at every world size and
+    layout (before: ValueError, and at one rank NaN for some layouts); its percentile raises
+    IndexError, heatlike's a clear ValueError on every rank."""
+    for shape, axis in [((4, 0), 1), ((0,), None), ((0, 3), 0), ((0, 3), 1), ((4, 0), None)]:
+        g = np.zeros(shape, dtype=np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            expect = np.median(g, axis=axis)
+        for what, x in layouts(g):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = ht.median(x, axis=axis)
+            assert_matches(got, expect, f"{shape} {axis} {what}", dtype=expect.dtype)
+            assert any("median of an empty slice" in str(w.message) for w in caught) == \
+                (g.size == 0 and expect.size > 0), (shape, axis, what)
+    raises_everywhere(ValueError, lambda: ht.percentile(ht.zeros((4, 0), split=0), 30, axis=1),
+                      "empty")
+
+
 def test_counting_histograms_and_buckets():
     gi = np.abs(global_array(4, (23,))).astype(np.int64)
     w = global_array(5, (23,)) / 2.0

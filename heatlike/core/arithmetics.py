@@ -537,7 +537,15 @@ absolute = _unary(lambda t: t.clone() if t.dtype is torch.bool else torch.abs(t)
 abs = absolute  # noqa: A001
 fabs = _unary(lambda t: torch.abs(t.to(float_result_type(t.dtype))), "fabs",
               "|x| as a float")
-sign = _unary(torch.sign, "sign", "-1, 0 or 1")
+def _sign(t: torch.Tensor) -> torch.Tensor:
+    """numpy 2's sign: NaN stays NaN (torch gives 0 on CPU), z / |z| for complex z (0 at 0)."""
+    if t.is_complex():
+        return torch.sgn(t)
+    result = torch.sign(t)
+    return torch.where(torch.isnan(t), t, result) if t.is_floating_point() else result
+
+
+sign = _unary(_sign, "sign", "-1, 0 or 1 (NaN for NaN; z / |z| for complex z)")
 sqrt = _unary(torch.sqrt, "sqrt", "square root", float_result=True)
 square = _unary(torch.square, "square", "x * x")
 exp = _unary(torch.exp, "exp", "e ** x", float_result=True)
@@ -580,19 +588,37 @@ neg, pos = negative, positive
 
 def round(x: DNDarray, decimals: int = 0, out: DNDarray | None = None,  # noqa: A001
           dtype: object = None) -> DNDarray:
-    """x rounded to ``decimals`` decimals, halves to even (like numpy), elementwise; integers
-    are returned unchanged. ``dtype``: the result's type."""
+    """x rounded to ``decimals`` decimals, halves to even (like numpy), elementwise: complex
+    numbers part by part; integers unchanged for ``decimals >= 0`` and rounded to a multiple
+    of ``10 ** -decimals`` below (exactly, in their own type). ``dtype``: the result's type."""
     if not isinstance(x, DNDarray):
         x = _as_replicated(x)
     if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)):
         raise TypeError(f"decimals must be an integer, got {type(decimals).__name__}")
-    if x.dtype.is_floating_point:
-        res = x._rewrap(torch.round(x.larray, decimals=int(decimals)))
+    t, d = x.larray, int(decimals)
+    if t.is_complex():
+        res = x._rewrap(torch.complex(torch.round(t.real, decimals=d),
+                                      torch.round(t.imag, decimals=d)))
+    elif t.is_floating_point():
+        res = x._rewrap(torch.round(t, decimals=d))
+    elif d < 0 and t.dtype is not torch.bool:
+        res = x._rewrap(_round_integers(t, 10 ** -d))
     else:
-        res = x._rewrap(x.larray.clone())
+        res = x._rewrap(t.clone())
     if dtype is not None:
         res = res.astype(canonical_dtype(dtype), copy=False)
     return _store(res, out, True, "round")
+
+
+def _round_integers(t: torch.Tensor, step: int) -> torch.Tensor:
+    """Integers rounded to the nearest multiple of ``step`` (a power of ten), halves to even."""
+    if step > torch.iinfo(t.dtype).max:
+        return torch.zeros_like(t)
+    q = torch.div(t, step, rounding_mode="floor")
+    rest = t - q * step
+    half = step // 2
+    up = (rest > half) | ((rest == half) & (q % 2 != 0))
+    return (q + up.to(t.dtype)) * step
 
 
 def equal(x: object, y: object) -> bool:

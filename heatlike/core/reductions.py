@@ -114,12 +114,22 @@ def _finish(x: DNDarray, local: torch.Tensor, axes: tuple[int, ...], keepdims: b
 def _nan_aware(comm, local: torch.Tensor, op: MPI.Op) -> torch.Tensor:
     """MIN / MAX over ranks where NaN wins, as in numpy (MPI leaves NaN handling undefined, and
     ranks could disagree): NaNs are replaced by the identity, reduced, and put back where any
-    rank had one (a second ``Allreduce`` with LOR)."""
+    rank had one. A zero result is -0.0 for MIN where any rank's own minimum was -0.0 (+0.0 for
+    MAX where any rank's own maximum was +0.0), the other zero otherwise: MPI's MIN of -0.0 and
+    +0.0 depends on the order it combines the ranks in, which differs between ranks, so the
+    replicated result had different bits on different ranks. The flags travel in one second
+    ``Allreduce`` with LOR."""
+    minimum = op == MPI.MIN
     nan = local.isnan()
-    clean = local.masked_fill(nan, float("inf") if op == MPI.MIN else float("-inf"))
+    clean = local.masked_fill(nan, float("inf") if minimum else float("-inf"))
     comm.Allreduce(IN_PLACE, clean, op)
-    comm.Allreduce(IN_PLACE, nan, MPI.LOR)
-    return clean.masked_fill(nan, float("nan"))
+    negative = local.signbit()
+    flags = torch.stack([nan, (local == 0) & (negative if minimum else ~negative)])
+    comm.Allreduce(IN_PLACE, flags, MPI.LOR)
+    first, other = (-0.0, 0.0) if minimum else (0.0, -0.0)
+    zero = torch.where(flags[1], first, other).to(clean.dtype)
+    clean = torch.where(clean == 0, zero, clean)
+    return clean.masked_fill(flags[0], float("nan"))
 
 
 def _identity(dtype: torch.dtype, largest: bool) -> object:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -374,7 +375,8 @@ def _quantiles(t: torch.Tensor, q: torch.Tensor, method: str) -> torch.Tensor:
 
 def percentile(x: DNDarray, q: object, axis: object = None, out: DNDarray | None = None,
                interpolation: str = "linear", keepdims: bool = False,
-               sketched: bool = False, sketch_size: float | None = None) -> DNDarray:
+               sketched: bool = False, sketch_size: float | None = None, *,
+               _empty: str = "raise") -> DNDarray:
     """The ``q``-th percentiles (a number or a sequence / 1-D array of numbers in [0, 100]) over
     ``axis`` (all by default; an int or a tuple) with numpy's methods ``linear``, ``lower``,
     ``higher``, ``midpoint`` and ``nearest``. A sequence ``q`` adds a leading axis to the
@@ -423,7 +425,11 @@ def percentile(x: DNDarray, q: object, axis: object = None, out: DNDarray | None
     lead = t.shape[:len(keep)]
     reduced = int(np.prod([x.gshape[d] for d in axes], dtype=np.int64))
     if reduced == 0:
-        raise ValueError("percentile of an empty array")
+        if _empty == "raise":
+            raise ValueError("percentile of an empty array")
+        # median's: NaN, as numpy's mean of an empty slice, with its warning
+        warnings.warn(f"{_empty} of an empty slice", RuntimeWarning, stacklevel=3)
+        t, reduced = torch.full((*lead, 1), float("nan"), dtype=dt, device=t.device), 1
     t = t.reshape(*lead, reduced)
     res = _quantiles(t, (qt / 100).to(t.device), interpolation)
     if keepdims:
@@ -460,5 +466,6 @@ def percentile(x: DNDarray, q: object, axis: object = None, out: DNDarray | None
 
 def median(x: DNDarray, axis: object = None, keepdims: bool = False,
            sketched: bool = False, sketch_size: float | None = None) -> DNDarray:
-    """The median over ``axis``: :func:`percentile` at 50."""
-    return percentile(x, 50.0, axis=axis, keepdims=keepdims)
+    """The median over ``axis``: :func:`percentile` at 50; NaN (with a ``RuntimeWarning``) over
+    an empty axis, as numpy (where :func:`percentile` raises ValueError)."""
+    return percentile(x, 50.0, axis=axis, keepdims=keepdims, _empty="median")
