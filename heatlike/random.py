@@ -49,7 +49,8 @@ from .core.indexing import take
 from .core.types import canonical_dtype
 
 __all__ = ["seed", "get_state", "set_state", "rand", "randn", "random", "random_sample",
-           "uniform", "normal", "randint", "permutation", "randperm", "stream"]
+           "ranf", "sample", "uniform", "normal", "standard_normal", "randint",
+           "random_integer", "permutation", "randperm", "stream"]
 
 _state: dict = {"seed": None, "counter": 0}
 
@@ -310,13 +311,24 @@ def rand(*shape: int, dtype: object = None, split: int | None = None, device: ob
     return _uniform(_size(shape), split, _float_dtype(dtype), device, comm)
 
 
-def random(size: int | Sequence[int] = (), dtype: object = None, split: int | None = None,
-           device: object = None, comm: MPICommunication | None = None) -> DNDarray:
-    """Uniform samples from [0, 1) (numpy's ``random.random(size)``)."""
+def _size_or_shape(size: object, shape: object) -> object:
+    """numpy's ``size`` or Heat's ``shape`` keyword (None: one sample)."""
+    if shape is not None:
+        if size not in ((), None):
+            raise TypeError("give the size or Heat's shape=, not both")
+        return shape
+    return () if size is None else size
+
+
+def random(size: int | Sequence[int] | None = (), dtype: object = None,
+           split: int | None = None, device: object = None,
+           comm: MPICommunication | None = None, *, shape: object = None) -> DNDarray:
+    """Uniform samples from [0, 1) (numpy's ``random.random(size)``; Heat's ``shape=``)."""
+    size = _size_or_shape(size, shape)
     return rand(*_size((size,)), dtype=dtype, split=split, device=device, comm=comm)
 
 
-random_sample = random
+random_sample = ranf = sample = random
 
 
 def uniform(low: float = 0.0, high: float = 1.0, size: int | Sequence[int] = (),
@@ -347,12 +359,47 @@ def randn(*shape: int, dtype: object = None, split: int | None = None, device: o
     return _wrap(z, dt, meta)
 
 
-def normal(mean: float = 0.0, std: float = 1.0, size: int | Sequence[int] = (),
-           dtype: object = None, split: int | None = None, device: object = None,
-           comm: MPICommunication | None = None) -> DNDarray:
-    """Normal samples with the given mean and standard deviation."""
-    z = randn(*_size((size,)), dtype=torch.float64, split=split, device=device, comm=comm)
-    return z._rewrap((z.larray * std + mean).to(_float_dtype(dtype)))
+def standard_normal(size: int | Sequence[int] | None = (), dtype: object = None,
+                    split: int | None = None, device: object = None,
+                    comm: MPICommunication | None = None, *, shape: object = None
+                    ) -> DNDarray:
+    """Standard normal samples of the given size (numpy's and Heat's ``standard_normal``; Heat's
+    ``shape=``): :func:`randn`."""
+    size = _size_or_shape(size, shape)
+    return randn(*_size((size,)), dtype=dtype, split=split, device=device, comm=comm)
+
+
+def normal(mean: float | DNDarray = 0.0, std: float | DNDarray = 1.0,
+           size: int | Sequence[int] | None = (), dtype: object = None,
+           split: int | None = None, device: object = None,
+           comm: MPICommunication | None = None, *, shape: object = None) -> DNDarray:
+    """Normal samples ``mean + std z`` with ``z`` of :func:`randn`, in float64, then cast.
+    ``mean`` and ``std`` may be numbers or arrays (DNDarrays of any split, numpy arrays,
+    lists), broadcast against the samples; without a size the samples take their broadcast
+    shape (numpy's rule; Heat's ``shape=`` is accepted). A negative ``std`` raises ValueError
+    on every rank."""
+    size = _size_or_shape(size, shape)
+    dt = _float_dtype(dtype)
+    scalars = all(isinstance(v, (int, float, np.integer, np.floating))
+                  and not isinstance(v, bool) for v in (mean, std))
+    if scalars:
+        if std < 0:
+            raise ValueError(f"std must be non-negative, got {std}")
+        z = randn(*_size((size,)), dtype=torch.float64, split=split, device=device, comm=comm)
+        return z._rewrap((z.larray * std + mean).to(dt))
+    from .core.factories import array
+
+    def as_array(v: object) -> DNDarray:
+        return v if isinstance(v, DNDarray) else array(v, dtype=torch.float64, comm=comm)
+
+    mean, std = as_array(mean), as_array(std)
+    if bool((std < 0).any()):  # the same answer on every rank
+        raise ValueError("std must be non-negative")
+    if size == ():
+        size = tuple(np.broadcast_shapes(mean.gshape, std.gshape))
+    z = randn(*_size((size,)), dtype=torch.float64, split=split, device=device,
+              comm=mean.comm)
+    return (mean + std * z).astype(dt, copy=False)
 
 
 def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),
@@ -381,9 +428,15 @@ def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),
     return _wrap(values, dt, meta)
 
 
+random_integer = randint
+
+
 def randperm(n: int, dtype: object = None, device: object = None,
-             comm: MPICommunication | None = None) -> DNDarray:
-    """A random permutation of ``0..n-1``, split along 0 (balanced)."""
+             comm: MPICommunication | None = None, split: int | None = 0) -> DNDarray:
+    """A random permutation of ``0..n-1``, split along 0 (balanced; ``split=None``: the whole
+    permutation on every rank, as Heat's default)."""
+    if split not in (0, None):
+        raise ValueError(f"randperm: split must be 0 or None, got {split!r}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
     n = int(n)
@@ -407,6 +460,8 @@ def randperm(n: int, dtype: object = None, device: object = None,
     local = got[torch.argsort(got[:, 0], stable=True), 1].contiguous()
     new_counts = tuple(comm.allgather(int(local.numel())))
     out = DNDarray._make(local, (n,), 0, new_counts, comm).balance_()
+    if split is None:
+        out = out.resplit(None)
     return out if dtype is None else out.astype(dtype, copy=False)
 
 

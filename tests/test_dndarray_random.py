@@ -127,6 +127,49 @@ def test_permutation():
     raises_everywhere(ValueError, lambda: hr.seed(-1), "seed")
 
 
+def test_heat_s_names_keywords_and_array_parameters():
+    """Heat's ``normal(mean, std, shape)`` with DNDarray parameters (any split; before: a
+    TypeError about devices), numpy arrays and numpy's broadcast shape without a size; a
+    negative std raises on every rank (it returned samples); Heat's ``shape=`` keyword and its
+    names ``standard_normal``, ``ranf``, ``sample``, ``random_integer``, ``randperm(split=)``."""
+    mean, std = np.array([-1.0, 2.0, 0.5]), np.array([0.5, 2.0, 1.0])
+    hr.seed(3)
+    z = hr.standard_normal((3,), dtype=hl.float64).numpy()
+    expect = (mean + std * z).astype(np.float32)
+    for m_split in (None, 0):
+        for s_split in (None, 0):
+            hr.seed(3)
+            got = hr.normal(hl.array(mean, split=m_split), hl.array(std, split=s_split),
+                            shape=(3,))
+            assert got.dtype is torch.float32
+            np.testing.assert_array_equal(got.numpy(), expect)
+    hr.seed(3)
+    np.testing.assert_array_equal(hr.normal(mean, std).numpy(), expect)  # numpy's shape rule
+    hr.seed(3)
+    assert hr.normal(mean.reshape(3, 1), 1.0).gshape == (3, 1)
+    raises_everywhere(ValueError, lambda: hr.normal(0.0, -1.0, (3,)), "non-negative")
+    raises_everywhere(ValueError, lambda: hr.normal(0.0, hl.array([1.0, -1.0], split=0), (2,)),
+                      "non-negative")
+    raises_everywhere(TypeError, lambda: hr.random((2,), shape=(3,)), "not both")
+    for fn in (hr.random, hr.random_sample, hr.ranf, hr.sample, hr.standard_normal):
+        hr.seed(1)
+        a = fn(shape=(4, 2), split=1)
+        hr.seed(1)
+        b = fn((4, 2))
+        assert a.gshape == (4, 2) and a.split == 1
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    hr.seed(2)
+    k = hr.random_integer(0, 5, (6,))
+    hr.seed(2)
+    np.testing.assert_array_equal(k.numpy(), hr.randint(0, 5, (6,)).numpy())
+    hr.seed(4)
+    whole = hr.randperm(9, split=None)
+    hr.seed(4)
+    assert whole.split is None
+    np.testing.assert_array_equal(whole.numpy(), hr.randperm(9).numpy())
+    raises_everywhere(ValueError, lambda: hr.randperm(4, split=1), "split")
+
+
 def test_values_do_not_depend_on_threads():
     """Large parts are filled by several threads, each from its own stream position."""
     threads = torch.get_num_threads()
