@@ -376,8 +376,8 @@ def normal(mean: float | DNDarray = 0.0, std: float | DNDarray = 1.0,
     """Normal samples ``mean + std z`` with ``z`` of :func:`randn`, in float64, then cast.
     ``mean`` and ``std`` may be numbers or arrays (DNDarrays of any split, numpy arrays,
     lists), broadcast against the samples; without a size the samples take their broadcast
-    shape (numpy's rule; Heat's ``shape=`` is accepted). A negative ``std`` raises ValueError
-    on every rank."""
+    shape (numpy's rule; Heat's ``shape=`` is accepted). The result is split along ``split``
+    whatever the parameters' layouts. A negative ``std`` raises ValueError on every rank."""
     size = _size_or_shape(size, shape)
     dt = _float_dtype(dtype)
     scalars = all(isinstance(v, (int, float, np.integer, np.floating))
@@ -399,7 +399,8 @@ def normal(mean: float | DNDarray = 0.0, std: float | DNDarray = 1.0,
         size = tuple(np.broadcast_shapes(mean.gshape, std.gshape))
     z = randn(*_size((size,)), dtype=torch.float64, split=split, device=device,
               comm=mean.comm)
-    return (mean + std * z).astype(dt, copy=False)
+    result = (mean + std * z).astype(dt, copy=False)
+    return result if result.split == split else result.resplit(split)
 
 
 def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),

@@ -145,6 +145,9 @@ def test_heat_s_names_keywords_and_array_parameters():
             np.testing.assert_array_equal(got.numpy(), expect)
     hr.seed(3)
     np.testing.assert_array_equal(hr.normal(mean, std).numpy(), expect)  # numpy's shape rule
+    m = hl.array(np.arange(6.0).reshape(2, 3), split=0)
+    for split in (None, 0, 1, 2):  # the split asked for, not the mean's (it was split along 1)
+        assert hr.normal(m, 2.0, (4, 2, 3), split=split).split == split
     hr.seed(3)
     assert hr.normal(mean.reshape(3, 1), 1.0).gshape == (3, 1)
     raises_everywhere(ValueError, lambda: hr.normal(0.0, -1.0, (3,)), "non-negative")

@@ -1148,20 +1148,13 @@ class MPICommunication:
 
         While a deadline or stall warning is set, or once the communicator has a board
         (``heatlike.core.checks``), the duplicate is made with the non-blocking
-        ``MPI_Comm_idup`` and waited for like a collective. A duplicate (not ``serial``: those
-        are heatlike's private channels) of a communicator with a board gets a board of its own
-        at once, so that its collectives are counted there too: a rank whose program ended is
-        reported (under ``python -m heatlike``, the job aborted) when another waits for it in a
-        collective of the duplicate, as on the communicator itself."""
+        ``MPI_Comm_idup`` and waited for like a collective."""
         _reclaim(self)
         board = self._hub.board
         if self.size > 1 and (_checks.watching() or (board is not None and board.established)):
             # the same choice on every rank: a non-blocking duplicate, waited for like a
             # collective (deadline, ranks known to have ended)
-            dup = self._owned(_checks.private_duplicate(self, "Dup"), serial)
-            if not serial and board is not None and board.established:
-                dup._arrival_board("Dup")
-            return dup
+            return self._owned(_checks.private_duplicate(self, "Dup"), serial)
         return self._owned(self.handle.Dup(), serial)
 
     def Free(self) -> None:

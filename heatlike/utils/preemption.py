@@ -121,10 +121,10 @@ class StopOnSignal:
         self._received = 0  # the highest signal number this rank received (0: none)
         self._seen: set[int] = set()  # every signal number this rank received
         self._private = self.comm.Dup()
-        # its collectives counted on a board of its own, and waited for polling it: a rank that
-        # left the loop early is reported on every rank instead of waited for forever
+        # its collectives counted on a board of its own (one memory increment per call): a rank
+        # that leaves the loop early and closes this raises there, naming the ranks waiting in
+        # stop(), instead of leaving them waiting forever
         self._private._arrival_board("StopOnSignal")
-        self._private._hub.watched = True
         self._signals = np.zeros(1, dtype=np.int32)
         self._previous = {n: signal.signal(n, self._record) for n in numbers}
         self._closed = False
