@@ -147,6 +147,18 @@ def test_separated_integer_and_index_array_put_the_array_axis_first_as_numpy():
                     assert_matches(x, expect, f"[{key!r}] = value{vi} ({value_layout}) into {what}")
 
 
+def test_zero_dimensional_boolean_indices_add_an_axis_as_numpy():
+    """``x[True]``, ``x[np.False_]`` and ``z[z > 0]`` for a 0-d ``z``: a new first axis holding
+    ``x`` once or not at all (before: IndexError)."""
+    g = global_array(3, (5, 2))
+    for what, x in layouts(g):
+        for key in (True, False, np.True_, np.array(False), torch.tensor(True)):
+            assert_matches(x[key], g[bool(key)], f"{key!r} {what}")
+    z = hl.array(3.0)
+    assert_matches(z[z > 0], np.array([3.0]))
+    assert_matches(z[z < 0], np.array([], dtype=np.float32))
+
+
 def test_setitem_masks_and_dtypes():
     g = global_array(10, (5, 4))
     for what, _ in layouts(g):

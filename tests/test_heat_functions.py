@@ -316,6 +316,22 @@ def test_flip_roll_rot_pad_tile_repeat():
     raises_everywhere(ValueError, lambda: ht.tile(x, -1), "non-negative")
 
 
+def test_unique_slices_with_nans_and_scans_of_0d_arrays_as_numpy():
+    """``unique(axis=)``: slices holding a NaN sort last, as numpy's (torch's order put them
+    first); ``cumsum``/``cumprod`` of a 0-d array give one element (before: AxisError)."""
+    g = np.array([[np.nan, 1.0, -np.inf, np.nan], [np.nan, 3.0, np.inf, np.nan],
+                  [-0.0, 0.0, 1.0, -0.0]])
+    for what, x in layouts(g):
+        for ax in (0, 1):
+            values, inverse = np.unique(g, axis=ax, return_inverse=True)
+            got, got_inverse = ht.unique(x, axis=ax, return_inverse=True)
+            np.testing.assert_array_equal(got.numpy(), values, f"{ax} {what}")
+            np.testing.assert_array_equal(got_inverse.numpy(), inverse.reshape(-1))
+    z = ht.array(3.0)
+    assert_matches(ht.cumsum(z, 0), np.cumsum(np.array(3.0), 0))
+    assert_matches(ht.cumprod(z, -1), np.cumprod(np.array(3.0), -1))
+
+
 def test_sort_topk_unique():
     g = global_array(11, (7, 6))
     for what, x in layouts(g):

@@ -754,6 +754,8 @@ def _cum(x: DNDarray, axis: object, dtype: object, out: DNDarray | None, name: s
                                   "supported; flatten first")
     from .reductions import _axis_index
 
+    if x.ndim == 0:  # numpy: a 0-d array accumulates as one of one element
+        x = DNDarray._make(x.larray.reshape(1), (1,), None, None, x.comm)
     a = _axis_index(axis, x.ndim)
     _check_out(out)
     if out is not None and tuple(out.shape) != tuple(x.shape):

@@ -371,6 +371,17 @@ def _basic(x: DNDarray, plan: _Plan) -> DNDarray:
     return DNDarray._make(local, shape, split, counts, comm)
 
 
+def _scalar_mask(key: object) -> bool | None:
+    """The value of a 0-d boolean index (``True``, ``np.True_``, ``x > 0`` of a 0-d array, a
+    0-d bool tensor), None for any other index. A 0-d DNDarray is the same on every rank."""
+    if isinstance(key, (bool, np.bool_)):
+        return bool(key)
+    if isinstance(key, (DNDarray, np.ndarray, torch.Tensor)) and len(_shape_of(key)) == 0 and \
+            _array_kind(key) == "bool":
+        return bool(key.larray.item() if isinstance(key, DNDarray) else key.item())
+    return None
+
+
 def _unwrapped(key: object) -> object:
     """``x[(k,)]`` is ``x[k]`` in numpy unless ``k`` is itself a tuple (a mask in a tuple, as
     ``np.nonzero`` style code writes it)."""
@@ -385,6 +396,10 @@ def getitem(x: DNDarray, key: object) -> DNDarray:
     key = _unwrapped(key)
     if _is_mask(key):
         return _getitem_mask(x, key)
+    truth = _scalar_mask(key)
+    if truth is not None:  # numpy: a new first axis holding x once (True) or not at all
+        y = manipulations.expand_dims(x, 0)
+        return y if truth else y[0:0]
     plan = _Plan(x, _expand(key, x.ndim))
     y = _basic(x, plan)
     if plan.adv is not None:

@@ -612,7 +612,9 @@ def unique(a: DNDarray, sorted: bool = False, return_inverse: bool = False,  # n
         split = 0 if a.split == 0 else None
     else:
         ax = _axis_index(axis, a.ndim)
-        if t.numel():
+        if t.numel() and (t.is_floating_point() or t.is_complex()) and bool(t.isnan().any()):
+            res = _unique_slices_with_nans(t, ax, return_inverse)
+        elif t.numel():
             res = torch.unique(t, sorted=True, return_inverse=return_inverse, dim=ax)
         else:  # every slice along ax is the same empty slice: one of them (numpy)
             first = t.narrow(ax, 0, builtins.min(1, t.shape[ax]))
@@ -623,6 +625,19 @@ def unique(a: DNDarray, sorted: bool = False, return_inverse: bool = False,  # n
         values, inv = res
         return _scatter(values, split, a), _scatter(inv, None if axis is None else None, a)
     return _scatter(res, split, a)
+
+
+def _unique_slices_with_nans(t: torch.Tensor, ax: int, return_inverse: bool) -> object:
+    """numpy's unique slices of ``t`` along ``ax`` (torch's order puts slices with a NaN first;
+    numpy's lexicographic order puts NaN last): through numpy, on the host."""
+    host = t.detach().cpu()
+    wide = host.to(torch.float32) if host.dtype is torch.bfloat16 else host
+    found = np.unique(wide.numpy(), axis=ax, return_inverse=return_inverse)
+    values, inverse = found if return_inverse else (found, None)
+    values = torch.from_numpy(np.ascontiguousarray(values)).to(t.dtype).to(t.device)
+    if not return_inverse:
+        return values
+    return values, torch.from_numpy(inverse.reshape(-1).astype(np.int64)).to(t.device)
 
 
 def _one_nan(res: tuple[torch.Tensor, torch.Tensor], return_inverse: bool) -> object:
