@@ -432,10 +432,10 @@ def randint(low: int, high: int | None = None, size: int | Sequence[int] = (),
 random_integer = randint
 
 
-def randperm(n: int, dtype: object = None, device: object = None,
-             comm: MPICommunication | None = None, split: int | None = 0) -> DNDarray:
+def randperm(n: int, dtype: object = None, split: int | None = 0, device: object = None,
+             comm: MPICommunication | None = None) -> DNDarray:
     """A random permutation of ``0..n-1``, split along 0 (balanced; ``split=None``: the whole
-    permutation on every rank, as Heat's default)."""
+    permutation on every rank, Heat's default). Heat's order of arguments."""
     if split not in (0, None):
         raise ValueError(f"randperm: split must be 0 or None, got {split!r}")
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:

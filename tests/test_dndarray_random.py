@@ -171,6 +171,9 @@ def test_heat_s_names_keywords_and_array_parameters():
     assert whole.split is None
     np.testing.assert_array_equal(whole.numpy(), hr.randperm(9).numpy())
     raises_everywhere(ValueError, lambda: hr.randperm(4, split=1), "split")
+    hr.seed(4)
+    np.testing.assert_array_equal(hr.randperm(9, hl.int64, None).numpy(), whole.numpy())  # Heat's
+    assert hr.randperm(9, hl.int32, None).split is None  # order: (n, dtype, split, device, comm)
 
 
 def test_values_do_not_depend_on_threads():
